@@ -1,0 +1,1 @@
+"""Tasks: prompts, references and rewards."""

@@ -1,0 +1,5 @@
+import sys
+
+from emapg.cli import main
+
+sys.exit(main())

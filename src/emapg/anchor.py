@@ -1,0 +1,49 @@
+"""The KL anchor: a frozen reference model or an EMA of the policy, updated in place."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from emapg.errors import EmapgError
+
+
+class Anchor:
+    """pi_ref for the KL term.
+
+    eta = 1 is plain GRPO's frozen reference; eta < 1 is the EMA anchor
+    theta_ema <- eta * theta_ema + (1 - eta) * theta, applied every `update_period` optimiser
+    steps. The anchor holds one copy of the weights; updates are in-place lerps
+    (torch._foreach_lerp_), so no second copy is allocated per step. Its parameters never
+    require grad and are never seen by the optimiser.
+    """
+
+    def __init__(self, policy: nn.Module, eta: float, update_period: int):
+        if not 0.0 <= eta <= 1.0:
+            raise EmapgError(f"anchor.eta must be in [0, 1]; got {eta}")
+        if update_period < 1:
+            raise EmapgError(f"anchor.update_period must be >= 1; got {update_period}")
+        self.eta, self.update_period = eta, update_period
+        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.updates = 0
+
+    @torch.no_grad()
+    def step(self, policy: nn.Module, optimizer_step: int) -> bool:
+        """Call after optimiser step number `optimizer_step` (1-based); True when it updated."""
+        if self.eta == 1.0 or optimizer_step % self.update_period:
+            return False
+        mine = list(self.model.parameters())
+        theirs = [p.detach() for p in policy.parameters()]
+        if len(mine) != len(theirs):
+            raise RuntimeError("anchor and policy have different parameter lists")
+        torch._foreach_lerp_(mine, theirs, 1.0 - self.eta)
+        self.updates += 1
+        return True
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = int(state["updates"])

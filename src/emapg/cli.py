@@ -1,0 +1,75 @@
+"""Command line: emapg train | sft."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from emapg.errors import EmapgError
+
+TRAIN_EPILOG = """\
+overrides are dotted config fields, e.g. `kl.k=16 anchor.eta=0.95 train.steps=100`.
+Shipped configs: quickstart (the default), grpo, ema_pg. Every field:
+
+"""
+
+
+def _train(args) -> None:
+    from emapg.config import load_config
+    from emapg.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, resume=args.resume)
+    before, after = result["accuracy_before"], result["accuracy_after"]
+    print(
+        f"eval/accuracy {before:.1%} before training -> {after:.1%} after ({after - before:+.1%}); "
+        f"run: {result['run_dir']}"
+    )
+
+
+def _sft(args) -> None:
+    from emapg.config import load_config
+    from emapg.trainer import load_policy, make_task
+
+    cfg = load_config(args.config, args.overrides)
+    task = make_task(cfg)
+    load_policy(cfg, task, progress=cfg.train.progress)
+    print(f"warm start ready (cached under {cfg.warmstart.cache_dir})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from emapg.config import help_text
+
+    parser = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train",
+        help="train with EMA-PG (default: the CPU quickstart)",
+        epilog=TRAIN_EPILOG + help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", help="YAML config file or shipped config name (default: quickstart)")
+    train.add_argument(
+        "--resume", action="store_true", help="continue from the run's last complete checkpoint"
+    )
+    train.add_argument("overrides", nargs="*", metavar="key=value")
+    train.set_defaults(func=_train)
+    sft = sub.add_parser("sft", help="build (or reuse) the cached supervised warm start of builtin:tiny")
+    sft.add_argument("--config", help="YAML config file or shipped config name (default: quickstart)")
+    sft.add_argument("overrides", nargs="*", metavar="key=value")
+    sft.set_defaults(func=_sft)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except EmapgError as e:
+        print(f"emapg: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Dataclass configs, YAML files and dotted command-line overrides.
+
+Every field has a default and a one-line help string (`emapg train --help` prints them).
+A YAML file mirrors the sections: `kl: {estimator: topk, k: 32}`; an override names the
+field with a dot: `kl.k=16`. Unknown keys, wrong types and out-of-range values stop with
+one line naming the field, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from emapg.errors import EmapgError
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f(
+        "builtin:tiny", "causal LM: a local directory or HF cache name, or builtin:tiny (warm-started)"
+    )
+    dtype: str = _f("float32", "parameter dtype: float32, bfloat16 or float16")
+    chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = _f(600, "supervised steps that warm-start builtin:tiny (cached by settings)")
+    batch_size: int = _f(64, "supervised batch size")
+    lr: float = _f(3e-3, "supervised learning rate")
+    cache_dir: str = _f("~/.cache/emapg", "where warm starts are cached")
+
+
+@dataclass
+class TaskConfig:
+    name: str = _f("arithmetic", "task: arithmetic")
+    seed: int = _f(1234, "seed of the generated data (independent of train.seed)")
+    num_train: int = _f(20000, "training problems")
+    num_eval: int = _f(200, "held-out problems for eval/accuracy")
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = _f(32, "prompts per rollout batch")
+    group_size: int = _f(8, "samples per prompt (GRPO group)")
+    max_new_tokens: int = _f(8, "response length limit in tokens")
+    temperature: float = _f(1.0, "sampling temperature; the policy is softmax(logits / temperature)")
+    top_p: float = _f(1.0, "nucleus sampling; < 1 samples from a truncated policy (see rollout/hf.py)")
+    stop: list = _f([], "stop strings that end a response (besides EOS)")
+    batch_size: int = _f(256, "sequences per generate call")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(2e-4, "AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    betas: list = _f([0.9, 0.99], "AdamW betas")
+    warmup_steps: int = _f(0, "linear warm-up, in optimiser steps")
+    max_grad_norm: float = _f(1.0, "gradient clipping by global norm; 0 disables")
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = _f("grpo", "grpo (std-normalised), drgrpo (no std) or batch_std")
+    clip_low: float = _f(0.2, "PPO ratio clip below: 1 - clip_low")
+    clip_high: float = _f(0.2, "PPO ratio clip above: 1 + clip_high")
+    epochs: int = _f(1, "passes over each rollout batch")
+    minibatches: int = _f(1, "optimiser steps per epoch (the batch is split this many ways)")
+    micro_batch_size: int = _f(64, "sequences per forward/backward (gradient accumulation)")
+    loss_aggregation: str = _f("token_mean", "token_mean or seq_mean")
+
+
+@dataclass
+class KLConfig:
+    beta: float = _f(1e-3, "KL coefficient; 0 turns the KL off and builds no anchor")
+    estimator: str = _f("topk", "k1 k2 k3 k3pp k4 k5 exact topk topk_paper truncated")
+    direction: str = _f("reverse", "reverse KL(pi||ref) or forward KL(ref||pi)")
+    k: int = _f(32, "top-k set size for the top-k estimators")
+    importance_weight: bool = _f(True, "weight off-policy samples by pi/pi_sampling (tail only for top-k)")
+    iw_clip: list = _f([], "optional [s_min, s_max] bounds on the importance weight")
+
+
+@dataclass
+class AnchorConfig:
+    kind: str = _f("ema", "ema, frozen (eta = 1) or none (needs kl.beta = 0)")
+    eta: float = _f(0.9, "EMA decay: anchor <- eta * anchor + (1 - eta) * policy")
+    update_period: int = _f(10, "optimiser steps between EMA updates")
+
+
+@dataclass
+class TrainConfig:
+    name: str = _f("quickstart", "run name: outputs go to <output_dir>/<name>")
+    output_dir: str = _f("runs", "where runs are written")
+    seed: int = _f(0, "seed of sampling, shuffling and initialisation")
+    steps: int = _f(40, "rollout batches (training steps)")
+    eval_every: int = _f(10, "evaluate every this many steps (and at the start and end)")
+    save_every: int = _f(20, "checkpoint every this many steps (and at the end)")
+    keep_checkpoints: int = _f(2, "checkpoints kept; older ones are deleted")
+    threads: int = _f(0, "torch CPU threads; 0 leaves torch's default")
+    device: str = _f("auto", "auto, cpu or cuda")
+    tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
+    wandb: bool = _f(False, "log to Weights & Biases (needs wandb)")
+    progress: bool = _f(True, "show a progress bar")
+
+
+@dataclass
+class EvalConfig:
+    greedy: bool = _f(True, "greedy decoding for eval/accuracy (else sampled at rollout temperature)")
+    batch_size: int = _f(256, "sequences per generate call during evaluation")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(where: str, value, typ):
+    """Check `value` against the field type; ints are accepted for floats."""
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is list and isinstance(value, tuple):
+        return list(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise EmapgError(f"{where}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    section_name, _, key = dotted.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections or not key:
+        raise EmapgError(f"unknown config section {section_name!r}{_suggest(section_name, sections)}")
+    section = getattr(cfg, section_name)
+    hints = typing.get_type_hints(type(section))
+    if key not in hints:
+        raise EmapgError(f"unknown config key {dotted!r}{_suggest(key, hints)}")
+    setattr(section, key, _coerce(dotted, value, hints[key]))
+
+
+def _from_mapping(cfg: Config, data: dict, source: str) -> None:
+    if not isinstance(data, dict):
+        raise EmapgError(f"{source}: expected a mapping of sections, got {type(data).__name__}")
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise EmapgError(f"{source}: section {section!r} must be a mapping, got {values!r}")
+        for key, value in values.items():
+            _set(cfg, f"{section}.{key}", value)
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path, or the name of a ready config shipped with the package ("grpo", "ema_pg")."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{Path(name).stem}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise EmapgError(f"config file {name!r} not found (shipped configs: {', '.join(names)})")
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file (default: the quickstart), then `key=value` overrides."""
+    cfg = Config()
+    file = resolve_config_path(path or "quickstart")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise EmapgError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
+    _from_mapping(cfg, data, str(file))
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise EmapgError(f"override {item!r}: expected key=value, e.g. kl.k=16")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set(cfg, key.strip(), value)
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise EmapgError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Ranges and combinations, each failure one line naming the field."""
+    from emapg import kl  # late: kl pulls torch, config should stay light to import
+
+    _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype: unknown {cfg.model.dtype!r}")
+    _check(cfg.rollout.group_size >= 1, "rollout.group_size must be >= 1")
+    _check(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+    _check(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    _check(cfg.rollout.temperature > 0, "rollout.temperature must be > 0")
+    _check(0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    _check(all(isinstance(s, str) and s for s in cfg.rollout.stop), "rollout.stop must be non-empty strings")
+    _check(
+        cfg.algo.advantage in ("grpo", "drgrpo", "batch_std"),
+        f"algo.advantage: unknown {cfg.algo.advantage!r}",
+    )
+    _check(
+        cfg.algo.advantage == "drgrpo" or cfg.rollout.group_size >= 2,
+        f"rollout.group_size=1 has no group std for algo.advantage={cfg.algo.advantage!r}; use drgrpo",
+    )
+    _check(
+        cfg.algo.clip_low >= 0 and cfg.algo.clip_high >= 0, "algo.clip_low and algo.clip_high must be >= 0"
+    )
+    _check(cfg.algo.clip_low < 1, "algo.clip_low must be < 1")
+    _check(
+        cfg.algo.epochs >= 1 and cfg.algo.minibatches >= 1, "algo.epochs and algo.minibatches must be >= 1"
+    )
+    _check(cfg.algo.micro_batch_size >= 1, "algo.micro_batch_size must be >= 1")
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    _check(
+        batch % cfg.algo.minibatches == 0,
+        f"algo.minibatches={cfg.algo.minibatches} must divide the {batch} sequences",
+    )
+    _check(
+        cfg.algo.loss_aggregation in ("token_mean", "seq_mean"),
+        f"algo.loss_aggregation: unknown {cfg.algo.loss_aggregation!r}",
+    )
+    _check(cfg.kl.beta >= 0, "kl.beta must be >= 0")
+    kl.check_estimator(cfg.kl.estimator, cfg.kl.direction)
+    _check(cfg.kl.k >= 0, "kl.k must be >= 0")
+    _check(
+        cfg.kl.iw_clip == [] or (len(cfg.kl.iw_clip) == 2 and 0 <= cfg.kl.iw_clip[0] <= cfg.kl.iw_clip[1]),
+        f"kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max; got {cfg.kl.iw_clip}",
+    )
+    _check(cfg.anchor.kind in ("ema", "frozen", "none"), f"anchor.kind: unknown {cfg.anchor.kind!r}")
+    _check(0 <= cfg.anchor.eta <= 1, f"anchor.eta must be in [0, 1]; got {cfg.anchor.eta}")
+    _check(cfg.anchor.update_period >= 1, "anchor.update_period must be >= 1")
+    _check(
+        (cfg.anchor.kind == "none") == (cfg.kl.beta == 0),
+        "anchor.kind=none goes with kl.beta=0 and only then (a KL needs an anchor)",
+    )
+    _check(cfg.train.steps >= 0, "train.steps must be >= 0")
+    _check(
+        cfg.train.eval_every >= 1 and cfg.train.save_every >= 1,
+        "train.eval_every, train.save_every must be >= 1",
+    )
+    _check(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+    _check(cfg.train.device in ("auto", "cpu", "cuda"), f"train.device: unknown {cfg.train.device!r}")
+    _check(cfg.task.name in ("arithmetic",), f"task.name: unknown {cfg.task.name!r}; available: arithmetic")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def help_text() -> str:
+    """Every field with its default and meaning, for `emapg train --help`."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        lines.append(f"{section.name}:")
+        for f in dataclasses.fields(section.default_factory()):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {section.name}.{f.name} = {default!r}  -- {f.metadata['help']}")
+    return "\n".join(lines)

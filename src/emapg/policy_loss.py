@@ -1,0 +1,52 @@
+"""PPO-clip policy loss and the aggregation of token losses, as pure tensor functions."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from emapg.errors import EmapgError
+
+AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+def ppo_clip(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token PPO-clip loss and whether the clip was active, both [N, T].
+
+    ratio = pi / pi_old; loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)).
+    A larger clip_high than clip_low ("clip-higher", DAPO) leaves room for rare tokens to grow.
+    """
+    ratio = torch.exp(logp - old_logp.detach())
+    adv = advantages.detach()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str, total: float) -> Tensor:
+    """Sum of a micro-batch's share of the minibatch loss.
+
+    token_mean: every response token of the minibatch weighs the same; `total` is the
+        minibatch's number of response tokens.
+    seq_mean: every sequence weighs the same (mean over its own tokens); `total` is the
+        minibatch's number of sequences.
+    Dividing by the minibatch total, not the micro-batch's, makes gradient accumulation exact.
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token_mean":
+        return (values * mask).sum() / total
+    if mode == "seq_mean":
+        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return per_seq.sum() / total
+    raise EmapgError(f"loss aggregation must be one of {', '.join(AGGREGATIONS)}; got {mode!r}")
+
+
+def aggregation_total(mask: Tensor, mode: str) -> float:
+    """The `total` for `aggregate` over a whole minibatch's response mask."""
+    if mode == "token_mean":
+        return max(float(mask.sum()), 1.0)
+    return float(mask.shape[0])

@@ -1,0 +1,158 @@
+"""Rollouts through Hugging Face `generate` with the KV cache.
+
+The sampling log-probs, entropy and top-k ids are recorded in the same pass that samples, by
+a logits processor that sees the raw logits of every step (custom processors run before the
+temperature / top-p warpers, see GenerationMixin._get_logits_processor). They are exact for
+the sampling policy softmax(logits / temperature). Two caveats, both standard practice:
+- with top_p < 1 the tokens are drawn from the nucleus-truncated distribution, while the
+  recorded log-probs (and the PPO ratio and KL) use the untruncated tempered policy;
+- the update pass recomputes the policy on whole sequences without the KV cache, so its
+  log-probs equal these only up to floating-point rounding (ratio 1 +- 1e-6 in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+)
+
+from emapg.rollout.base import Rollout
+
+
+class _SamplingRecorder(LogitsProcessor):
+    """Records per step: top-k ids and entropy now, the sampled token's log-prob one step later."""
+
+    def __init__(self, temperature: float, k: int):
+        self.temperature, self.k = temperature, k
+        self.token_logp: list[Tensor] = []
+        self.topk_ids: list[Tensor] = []
+        self.entropy: list[Tensor] = []
+        self._last: Tensor | None = None  # log-probs of the latest step, [B, V]
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self._last is not None:  # the token sampled at the previous step is input_ids[:, -1]
+            self.token_logp.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self._last = logp
+        self.entropy.append(-(logp.exp() * logp).sum(-1))
+        if self.k:
+            self.topk_ids.append(logp.topk(min(self.k, logp.shape[-1]), dim=-1).indices)
+        return scores
+
+    def finish(self, last_tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.token_logp.append(self._last.gather(-1, last_tokens.unsqueeze(-1)).squeeze(-1))
+        n = last_tokens.shape[0]
+        topk = (
+            torch.stack(self.topk_ids, 1)
+            if self.k
+            else torch.zeros(n, len(self.entropy), 0, dtype=torch.long)
+        )
+        return torch.stack(self.token_logp, 1), topk.to(last_tokens.device), torch.stack(self.entropy, 1)
+
+
+class _EndTracker(StoppingCriteria):
+    """Records each response's length when it ends: at EOS or once it contains a stop string."""
+
+    def __init__(self, prompt_len: int, batch: int, eos_ids: list[int], tokenizer, stop: list[str], device):
+        self.prompt_len, self.eos, self.tokenizer, self.stop = prompt_len, eos_ids, tokenizer, stop
+        self.length = torch.full((batch,), -1, dtype=torch.long, device=device)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
+        done = torch.isin(input_ids[:, -1], torch.tensor(self.eos, device=input_ids.device))
+        if self.stop:
+            for b in (self.length < 0).nonzero().flatten().tolist():
+                text = self.tokenizer.decode(input_ids[b, self.prompt_len :], skip_special_tokens=True)
+                done[b] |= any(s in text for s in self.stop)
+        newly = done & (self.length < 0)
+        self.length[newly] = input_ids.shape[1] - self.prompt_len
+        return self.length >= 0
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | {tokenizer.eos_token_id})
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    topk: int = 0,
+    stop: list[str] = (),
+    batch_size: int = 256,
+) -> Rollout:
+    """Sample one response per prompt (repeat prompts for groups), batch_size at a time."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    prompt_len = prompt_ids.shape[1]
+    eos = _eos_ids(model, tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=temperature if not greedy else None,
+        top_p=top_p if not greedy else None,
+        top_k=None,  # GenerationConfig's default top_k=50 would silently truncate the policy
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+    )
+    was_training = model.training
+    model.eval()
+    parts = []
+    for a in range(0, len(prompts), batch_size):
+        ids, mask = prompt_ids[a : a + batch_size], prompt_mask[a : a + batch_size]
+        recorder = _SamplingRecorder(temperature, topk)
+        ends = _EndTracker(prompt_len, ids.shape[0], eos, tokenizer, list(stop), device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=config,
+            logits_processor=[recorder],
+            stopping_criteria=[ends],
+        )
+        logp, top, entropy = recorder.finish(out[:, -1])
+        length = torch.where(ends.length < 0, out.shape[1] - prompt_len, ends.length)
+        parts.append((out[:, prompt_len:], logp, top, entropy, length))
+    model.train(was_training)
+
+    width = max(p[0].shape[1] for p in parts)
+    responses = torch.cat([_pad(p[0], width, tokenizer.pad_token_id) for p in parts])
+    logp, top, entropy = (torch.cat([_pad(p[i], width, 0) for p in parts]) for i in (1, 2, 3))
+    lengths = torch.cat([p[4] for p in parts])
+    response_mask = torch.arange(width, device=device) < lengths.unsqueeze(1)
+    responses = responses.masked_fill(~response_mask, tokenizer.pad_token_id)
+    texts = [
+        tokenizer.decode(r[:n], skip_special_tokens=True)
+        for r, n in zip(responses, lengths.tolist(), strict=True)
+    ]
+    return Rollout(
+        sequences=torch.cat([prompt_ids, responses], 1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
+        prompt_len=prompt_len,
+        response_mask=response_mask,
+        sampling_logp=logp.masked_fill(~response_mask, 0.0),
+        topk_ids=top,
+        entropy=entropy.masked_fill(~response_mask, 0.0),
+        texts=texts,
+    )
+
+
+def _pad(x: Tensor, width: int, value) -> Tensor:
+    """Right-pad dim 1 to `width`."""
+    if x.shape[1] == width:
+        return x
+    shape = (x.shape[0], width - x.shape[1], *x.shape[2:])
+    return torch.cat([x, x.new_full(shape, value)], 1)

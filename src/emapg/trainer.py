@@ -1,0 +1,386 @@
+"""The EMA-PG training loop: rollout, reward, advantages, anchor pass, PPO update, EMA step.
+
+Read top to bottom: `train` is the whole loop; the helpers above it are the passes. The
+algorithms themselves are pure functions in kl.py, topk.py, advantages.py, policy_loss.py
+and anchor.py. Memory: between passes only per-token summaries travel (the sampled token's
+log-prob, k top-k ids, k anchor log-probs); no [tokens, vocab] tensor is ever stored.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from emapg import checkpoint, kl, topk
+from emapg.advantages import group_advantages
+from emapg.anchor import Anchor
+from emapg.config import Config, to_dict
+from emapg.errors import EmapgError
+from emapg.metrics import MetricsLog
+from emapg.models import load_model_and_tokenizer
+from emapg.policy_loss import aggregate, aggregation_total, ppo_clip
+from emapg.rollout import Rollout, format_prompts
+from emapg.rollout.hf import generate
+from emapg.tasks.base import Example, Task
+
+# ---------------------------------------------------------------------------------------------
+# Model passes
+
+
+def _uses_linear_head(model: nn.Module) -> bool:
+    """Whether logits = hidden @ W.T exactly, so the fused chunked head can replace lm_head."""
+    head = model.get_output_embeddings()
+    scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logits_scaling"))
+    return isinstance(head, nn.Linear) and head.bias is None and not scaled
+
+
+def response_summary(
+    model: nn.Module, batch: Rollout, ids: Tensor, *, temperature: float, topk_self: int = 0
+):
+    """Summary of the model's tempered distribution at every response position, at `ids` [N, L, m].
+
+    The hidden state at column P + t - 1 predicts response token t.
+    """
+    mask = batch.attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    p = batch.prompt_len
+    if _uses_linear_head(model):
+        hidden = model.base_model(input_ids=batch.sequences, attention_mask=mask, position_ids=positions)[0]
+        return topk.summarize_hidden(
+            hidden[:, p - 1 : -1],
+            model.get_output_embeddings().weight,
+            ids,
+            topk=topk_self,
+            temperature=temperature,
+        )
+    logits = model(input_ids=batch.sequences, attention_mask=mask, position_ids=positions).logits
+    return topk.summarize(logits[:, p - 1 : -1], ids, topk=topk_self, temperature=temperature)
+
+
+@dataclass
+class AnchorView:
+    """What the anchor pass leaves for the update: log-probs at the token and on the top-k set q."""
+
+    head_ids: Tensor  # [N, L, k] the set q
+    ref_logp: Tensor  # [N, L]
+    ref_head_logp: Tensor  # [N, L, k]
+
+
+def _slice(batch: Rollout, rows: Tensor) -> Rollout:
+    return Rollout(
+        sequences=batch.sequences[rows],
+        attention_mask=batch.attention_mask[rows],
+        prompt_len=batch.prompt_len,
+        response_mask=batch.response_mask[rows],
+        sampling_logp=batch.sampling_logp[rows],
+        topk_ids=batch.topk_ids[rows],
+        entropy=batch.entropy[rows],
+        texts=[batch.texts[i] for i in rows.tolist()],
+    )
+
+
+def _head_ids(cfg: Config, batch: Rollout, vocab: int) -> Tensor | None:
+    """q for the KL: sampling top-k (reverse), the whole vocabulary (exact), none (sampled)."""
+    if cfg.kl.estimator == "exact":
+        return torch.arange(vocab, device=batch.sequences.device).expand(*batch.response_mask.shape, vocab)
+    if cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse":
+        return batch.topk_ids
+    if cfg.kl.estimator in kl.TOPK:
+        return None  # forward: the anchor pass picks q from its own top-k
+    return batch.topk_ids[..., :0]
+
+
+@torch.no_grad()
+def anchor_pass(cfg: Config, anchor: Anchor, batch: Rollout, vocab: int) -> AnchorView:
+    tokens = batch.responses.unsqueeze(-1)
+    head_ids = _head_ids(cfg, batch, vocab)
+    views = []
+    for rows in torch.arange(len(batch.texts)).split(cfg.algo.micro_batch_size):
+        part = _slice(batch, rows)
+        if head_ids is None:  # forward top-k: q is the anchor's own top-k
+            s = response_summary(
+                anchor.model, part, tokens[rows], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
+            )
+            views.append((s.topk_ids, s.logp()[..., 0], s.topk_logp))
+        else:
+            ids = torch.cat([tokens[rows], head_ids[rows]], -1)
+            logp = response_summary(anchor.model, part, ids, temperature=cfg.rollout.temperature).logp()
+            views.append((head_ids[rows], logp[..., 0], logp[..., 1:]))
+    return AnchorView(*(torch.cat(v) for v in zip(*views, strict=True)))
+
+
+def token_losses(cfg: Config, model, part: Rollout, advantages: Tensor, ref: AnchorView | None):
+    """Per-token PPO-clip loss, KL estimate (None without anchor) and clip flags of a micro-batch."""
+    tokens = part.responses.unsqueeze(-1)
+    ids = tokens if ref is None else torch.cat([tokens, ref.head_ids], -1)
+    summary = response_summary(model, part, ids, temperature=cfg.rollout.temperature)
+    logp = summary.logp()[..., 0]
+    pg, clipped = ppo_clip(logp, part.sampling_logp, advantages, cfg.algo.clip_low, cfg.algo.clip_high)
+    if ref is None:
+        return pg, None, clipped
+    kl_tok = kl.from_summary(
+        summary,
+        (ref.head_ids == tokens).any(-1),
+        ref.ref_logp,
+        ref.ref_head_logp,
+        estimator=cfg.kl.estimator,
+        direction=cfg.kl.direction,
+        sampling_logp=part.sampling_logp if cfg.kl.importance_weight else None,
+        iw_clip=tuple(cfg.kl.iw_clip) if cfg.kl.iw_clip else None,
+    )
+    return pg, kl_tok, clipped
+
+
+def update(
+    cfg: Config, model, optimizer, scheduler, anchor: Anchor | None, batch: Rollout, advantages, ref, state
+):
+    """PPO epochs over minibatches, micro-batched; the EMA anchor steps after optimiser steps."""
+    sums = {"loss/policy": 0.0, "kl/value": 0.0, "clip_frac": 0.0}
+    count, grad_norms, ema_seconds = 0.0, [], 0.0
+    for _ in range(cfg.algo.epochs):
+        for rows_mb in torch.randperm(len(batch.texts)).chunk(cfg.algo.minibatches):
+            total = aggregation_total(batch.response_mask[rows_mb], cfg.algo.loss_aggregation)
+            optimizer.zero_grad(set_to_none=True)
+            for rows in rows_mb.split(cfg.algo.micro_batch_size):
+                mask = batch.response_mask[rows]
+                ref_part = None if ref is None else AnchorView(*(t[rows] for t in vars(ref).values()))
+                pg, kl_tok, clipped = token_losses(
+                    cfg, model, _slice(batch, rows), advantages[rows], ref_part
+                )
+                loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
+                aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total).backward()
+                sums["loss/policy"] += float((pg.detach() * mask).sum())
+                sums["kl/value"] += 0.0 if kl_tok is None else float((kl_tok.detach() * mask).sum())
+                sums["clip_frac"] += float((clipped & mask).sum())
+                count += float(mask.sum())
+            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else math.inf
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            optimizer.step()
+            scheduler.step()
+            state["optimizer_steps"] += 1
+            if anchor is not None:
+                t = time.perf_counter()
+                anchor.step(model, state["optimizer_steps"])
+                ema_seconds += time.perf_counter() - t
+    stats = {k: v / max(count, 1.0) for k, v in sums.items()}
+    stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    return stats, ema_seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and evaluation
+
+
+class PromptSampler:
+    """Shuffled passes over the training examples; its position is part of a checkpoint."""
+
+    def __init__(self, examples: list[Example], seed: int):
+        if not examples:
+            raise EmapgError("the task has no training examples")
+        self.examples, self.seed = examples, seed
+        self.epoch, self.position = 0, 0
+
+    def take(self, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            order = torch.randperm(
+                len(self.examples), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+            )
+            take = order[self.position : self.position + n - len(out)].tolist()
+            out += [self.examples[i] for i in take]
+            self.position += len(take)
+            if self.position == len(self.examples):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example]) -> float:
+    """Held-out accuracy: mean reward of one (greedy by default) response per problem."""
+    prompts = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
+    out = generate(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        greedy=cfg.eval.greedy,
+        stop=cfg.rollout.stop,
+        batch_size=cfg.eval.batch_size,
+    )
+    return sum(task.score(t, e) for t, e in zip(out.texts, examples, strict=True)) / len(examples)
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up
+
+
+def make_task(cfg: Config) -> Task:
+    from emapg.tasks.arithmetic import ArithmeticTask
+
+    return ArithmeticTask(seed=cfg.task.seed, num_train=cfg.task.num_train, num_eval=cfg.task.num_eval)
+
+
+def load_policy(cfg: Config, task: Task, progress: bool):
+    dtype = getattr(torch, cfg.model.dtype)
+    path = cfg.model.path
+    if path == "builtin:tiny":
+        from emapg.sft import warm_start
+
+        w = cfg.warmstart
+        sft_kwargs = {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr, "seed": cfg.train.seed}
+        path = warm_start(Path(w.cache_dir).expanduser(), task=task, sft_kwargs=sft_kwargs, progress=progress)
+    return load_model_and_tokenizer(path, dtype=dtype)
+
+
+def _device(cfg: Config) -> torch.device:
+    if cfg.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise EmapgError("train.device=cuda but no CUDA device is available")
+    return torch.device(cfg.train.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(cfg: Config, *, resume: bool = False) -> dict:
+    """Run (or resume) training; returns the final record with accuracy before and after."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    run_dir = Path(cfg.train.output_dir) / cfg.train.name
+    ckpt_dir = run_dir / "checkpoints"
+    last = checkpoint.list_checkpoints(ckpt_dir)[-1:] if resume else []
+    if resume and not last:
+        raise EmapgError(f"--resume: no complete checkpoint under {ckpt_dir}")
+    torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed)
+    show = cfg.train.progress
+
+    task = make_task(cfg)
+    train_examples, eval_examples = task.train_examples(), task.eval_examples()
+    if not eval_examples:
+        raise EmapgError(f"task {task.name!r} has no evaluation examples")
+    device = _device(cfg)
+    model, tokenizer = load_policy(cfg, task, show)
+    model.to(device).train()
+    # No anchor model at all without a KL; an EMA with eta = 1 is the frozen reference.
+    anchor = None
+    if cfg.anchor.kind != "none":
+        eta = 1.0 if cfg.anchor.kind == "frozen" else cfg.anchor.eta
+        anchor = Anchor(model, eta, cfg.anchor.update_period)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+    )
+    warmup = max(cfg.optim.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    sampler = PromptSampler(train_examples, cfg.train.seed)
+    state = {"optimizer_steps": 0, "accuracy_before": None, "accuracy": None}
+    start = 0
+    if last:
+        saved = checkpoint.load(
+            last[0], policy=model, anchor=anchor, optimizer=optimizer, scheduler=scheduler
+        )
+        start, state = saved["step"], saved["trainer"]
+        sampler.load(saved["sampler"])
+        if anchor is not None:
+            anchor.load_state_dict(saved["anchor"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    log = MetricsLog(
+        run_dir,
+        resume_step=start if last else None,
+        tensorboard=cfg.train.tensorboard,
+        wandb=cfg.train.wandb,
+        config=to_dict(cfg),
+    )
+    vocab = model.get_output_embeddings().weight.shape[0]
+
+    def save(step: int) -> None:
+        extra = {
+            "trainer": state,
+            "sampler": sampler.state(),
+            "anchor": anchor.state_dict() if anchor else None,
+        }
+        checkpoint.save(
+            ckpt_dir, step, policy=model, tokenizer=tokenizer, anchor=anchor, optimizer=optimizer,
+            scheduler=scheduler, state=extra, keep=cfg.train.keep_checkpoints,
+        )  # fmt: skip
+
+    if start == 0:
+        state["accuracy_before"] = state["accuracy"] = evaluate(cfg, model, tokenizer, task, eval_examples)
+        log.log({"step": 0, "eval/accuracy": state["accuracy"]})
+    bar = tqdm(
+        range(start + 1, cfg.train.steps + 1),
+        desc=cfg.train.name,
+        disable=not show,
+        initial=start,
+        total=cfg.train.steps,
+    )
+    for step in bar:
+        times = {}
+        t = time.perf_counter()
+        examples = [
+            e for e in sampler.take(cfg.rollout.prompts_per_step) for _ in range(cfg.rollout.group_size)
+        ]
+        prompts = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
+        reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and anchor is not None
+        batch = generate(
+            model, tokenizer, prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, topk=min(cfg.kl.k, vocab) if reverse_topk else 0, stop=cfg.rollout.stop,
+            batch_size=cfg.rollout.batch_size,
+        )  # fmt: skip
+        times["rollout"], t = time.perf_counter() - t, time.perf_counter()
+
+        rewards = torch.tensor([task.score(text, e) for text, e in zip(batch.texts, examples, strict=True)])
+        advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage).to(device)
+        times["scoring"], t = time.perf_counter() - t, time.perf_counter()
+
+        ref = anchor_pass(cfg, anchor, batch, vocab) if anchor is not None else None
+        times["anchor"], t = time.perf_counter() - t, time.perf_counter()
+
+        stats, times["ema"] = update(cfg, model, optimizer, scheduler, anchor, batch, advantages, ref, state)
+        times["update"] = time.perf_counter() - t - times["ema"]
+
+        mask = batch.response_mask
+        record = {
+            "step": step,
+            "reward/mean": float(rewards.mean()),
+            **stats,
+            "entropy": float((batch.entropy * mask).sum() / mask.sum().clamp(min=1)),
+            "response_length/mean": float(mask.sum(1).float().mean()),
+            "anchor/updates": anchor.updates if anchor else 0,
+            "lr": scheduler.get_last_lr()[0],
+            **{f"time/{k}_s": v for k, v in times.items()},
+            "time/step_s": sum(times.values()),
+        }
+        if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+            state["accuracy"] = record["eval/accuracy"] = evaluate(cfg, model, tokenizer, task, eval_examples)
+        log.log(record)
+        bar.set_postfix(
+            reward=f"{record['reward/mean']:.3f}",
+            kl=f"{record['kl/value']:.2e}",
+            acc=f"{state['accuracy']:.3f}",
+        )
+        if step % cfg.train.save_every == 0 or step == cfg.train.steps:
+            save(step)
+    log.close()
+    return {
+        "run_dir": str(run_dir),
+        "accuracy_before": state["accuracy_before"],
+        "accuracy_after": state["accuracy"],
+    }

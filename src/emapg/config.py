@@ -116,7 +116,8 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    greedy: bool = _f(True, "greedy decoding for eval/accuracy (else sampled at rollout temperature)")
+    greedy: bool = _f(False, "greedy decoding for eval/accuracy (default: sampled at the rollout temperature)")
+    samples: int = _f(4, "sampled responses per held-out problem; eval/accuracy is their mean (pass@1)")
     batch_size: int = _f(256, "sequences per generate call during evaluation")
 
 
@@ -269,6 +270,7 @@ def validate(cfg: Config) -> None:
         cfg.train.eval_every >= 1 and cfg.train.save_every >= 1,
         "train.eval_every, train.save_every must be >= 1",
     )
+    _check(cfg.eval.samples >= 1, "eval.samples must be >= 1")
     _check(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
     _check(cfg.train.device in ("auto", "cpu", "cuda"), f"train.device: unknown {cfg.train.device!r}")
     _check(cfg.task.name in ("arithmetic",), f"task.name: unknown {cfg.task.name!r}; available: arithmetic")

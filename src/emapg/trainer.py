@@ -209,18 +209,25 @@ class PromptSampler:
 
 
 def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example]) -> float:
-    """Held-out accuracy: mean reward of one (greedy by default) response per problem."""
+    """Held-out accuracy: mean reward over `eval.samples` responses per problem (pass@1), or
+    of one greedy response. Sampling draws from a private generator, so evaluating never
+    changes the training run's random stream."""
+    n = 1 if cfg.eval.greedy else cfg.eval.samples
+    examples = [e for e in examples for _ in range(n)]
     prompts = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
-    out = generate(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        greedy=cfg.eval.greedy,
-        stop=cfg.rollout.stop,
-        batch_size=cfg.eval.batch_size,
-    )
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.train.seed + 1)
+        out = generate(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            greedy=cfg.eval.greedy,
+            stop=cfg.rollout.stop,
+            batch_size=cfg.eval.batch_size,
+        )
     return sum(task.score(t, e) for t, e in zip(out.texts, examples, strict=True)) / len(examples)
 
 

@@ -47,3 +47,20 @@ def test_greedy_is_deterministic(tiny_model_dir):
     a = generate(model, tokenizer, ["9+9=", "1="], max_new_tokens=5, greedy=True, batch_size=1)
     b = generate(model, tokenizer, ["9+9=", "1="], max_new_tokens=5, greedy=True)
     assert a.texts == b.texts and torch.equal(a.sequences, b.sequences)
+
+
+def test_chat_template_is_applied_without_a_second_bos(tiny_model_dir):
+    from emapg.rollout import format_prompts
+
+    _, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    plain, special = format_prompts(tokenizer, ["1+1="], chat_template=True)
+    assert (plain, special) == (["1+1="], True)  # the tiny tokenizer has no template
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}q: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}a: {% endif %}"
+    )
+    texts, special = format_prompts(tokenizer, ["1+1="], chat_template=True)
+    assert texts == ["<bos>q: 1+1=\na: "] and special is False
+    ids = tokenizer(texts, add_special_tokens=special)["input_ids"][0]
+    assert ids.count(tokenizer.bos_token_id) == 1
+    assert format_prompts(tokenizer, ["1+1="], chat_template=False) == (["1+1="], True)

@@ -214,7 +214,7 @@ def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example])
     changes the training run's random stream."""
     n = 1 if cfg.eval.greedy else cfg.eval.samples
     examples = [e for e in examples for _ in range(n)]
-    prompts = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
+    prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.train.seed + 1)
         out = generate(
@@ -227,6 +227,7 @@ def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example])
             greedy=cfg.eval.greedy,
             stop=cfg.rollout.stop,
             batch_size=cfg.eval.batch_size,
+            add_special_tokens=special,
         )
     return sum(task.score(t, e) for t, e in zip(out.texts, examples, strict=True)) / len(examples)
 
@@ -344,12 +345,12 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         examples = [
             e for e in sampler.take(cfg.rollout.prompts_per_step) for _ in range(cfg.rollout.group_size)
         ]
-        prompts = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
+        prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
         reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and anchor is not None
         batch = generate(
             model, tokenizer, prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, topk=min(cfg.kl.k, vocab) if reverse_topk else 0, stop=cfg.rollout.stop,
-            batch_size=cfg.rollout.batch_size,
+            batch_size=cfg.rollout.batch_size, add_special_tokens=special,
         )  # fmt: skip
         times["rollout"], t = time.perf_counter() - t, time.perf_counter()
 

@@ -30,13 +30,20 @@ class Rollout:
         return self.sequences[:, self.prompt_len :]
 
 
-def format_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], chat_template: bool) -> list[str]:
-    """Wrap each prompt as a user turn when the tokenizer has a chat template."""
+def format_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], chat_template: bool
+) -> tuple[list[str], bool]:
+    """Wrap each prompt as a user turn when the tokenizer has a chat template.
+
+    Returns the texts and whether tokenizing them should add special tokens: a chat
+    template already writes its own (BOS included), a plain prompt needs the tokenizer's.
+    """
     if not (chat_template and getattr(tokenizer, "chat_template", None)):
-        return prompts
-    return [
+        return prompts, True
+    texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
         )
         for p in prompts
     ]
+    return texts, False

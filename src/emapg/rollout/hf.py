@@ -93,10 +93,16 @@ def generate(
     topk: int = 0,
     stop: list[str] = (),
     batch_size: int = 256,
+    add_special_tokens: bool = True,
 ) -> Rollout:
-    """Sample one response per prompt (repeat prompts for groups), batch_size at a time."""
+    """Sample one response per prompt (repeat prompts for groups), batch_size at a time.
+
+    Pass prompts through `format_prompts` first, with the `add_special_tokens` it returns.
+    """
     device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    enc = tokenizer(
+        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special_tokens
+    )
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     prompt_len = prompt_ids.shape[1]
     eos = _eos_ids(model, tokenizer)

@@ -38,7 +38,7 @@ class ModelConfig:
 class WarmStartConfig:
     steps: int = _f(600, "supervised steps that warm-start builtin:tiny (cached by settings)")
     batch_size: int = _f(64, "supervised batch size")
-    lr: float = _f(3e-3, "supervised learning rate")
+    lr: float = _f(1e-3, "supervised learning rate")
     cache_dir: str = _f("~/.cache/emapg", "where warm starts are cached")
 
 
@@ -46,8 +46,10 @@ class WarmStartConfig:
 class TaskConfig:
     name: str = _f("arithmetic", "task: arithmetic")
     seed: int = _f(1234, "seed of the generated data (independent of train.seed)")
-    num_train: int = _f(20000, "training problems")
+    num_train: int = _f(4000, "training problems")
     num_eval: int = _f(200, "held-out problems for eval/accuracy")
+    min_digits: int = _f(1, "arithmetic: fewest digits of an operand")
+    max_digits: int = _f(2, "arithmetic: most digits of an operand")
 
 
 @dataclass
@@ -66,7 +68,7 @@ class OptimConfig:
     lr: float = _f(2e-4, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     betas: list = _f([0.9, 0.99], "AdamW betas")
-    warmup_steps: int = _f(0, "linear warm-up, in optimiser steps")
+    warmup_steps: int = _f(5, "linear warm-up, in optimiser steps")
     max_grad_norm: float = _f(1.0, "gradient clipping by global norm; 0 disables")
 
 
@@ -116,7 +118,9 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    greedy: bool = _f(False, "greedy decoding for eval/accuracy (default: sampled at the rollout temperature)")
+    greedy: bool = _f(
+        False, "greedy decoding for eval/accuracy (default: sampled at the rollout temperature)"
+    )
     samples: int = _f(4, "sampled responses per held-out problem; eval/accuracy is their mean (pass@1)")
     batch_size: int = _f(256, "sequences per generate call during evaluation")
 
@@ -147,6 +151,11 @@ def _coerce(where: str, value, typ):
     """Check `value` against the field type; ints are accepted for floats."""
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is float and isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if typ is list and isinstance(value, tuple):
         return list(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):

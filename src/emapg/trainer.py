@@ -18,6 +18,7 @@ import torch
 import yaml
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 from emapg import checkpoint, kl, topk
 from emapg.advantages import group_advantages
@@ -239,7 +240,14 @@ def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example])
 def make_task(cfg: Config) -> Task:
     from emapg.tasks.arithmetic import ArithmeticTask
 
-    return ArithmeticTask(seed=cfg.task.seed, num_train=cfg.task.num_train, num_eval=cfg.task.num_eval)
+    t = cfg.task
+    return ArithmeticTask(
+        seed=t.seed,
+        num_train=t.num_train,
+        num_eval=t.num_eval,
+        min_digits=t.min_digits,
+        max_digits=t.max_digits,
+    )
 
 
 def load_policy(cfg: Config, task: Task, progress: bool):
@@ -270,6 +278,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     """Run (or resume) training; returns the final record with accuracy before and after."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
     run_dir = Path(cfg.train.output_dir) / cfg.train.name
     ckpt_dir = run_dir / "checkpoints"
     last = checkpoint.list_checkpoints(ckpt_dir)[-1:] if resume else []

@@ -1,0 +1,157 @@
+"""The built-in tiny model and tokenizer, and loading of any local causal LM.
+
+The tiny pair exists so that the quickstart (SFT warm start, then EMA-PG) runs on a laptop CPU
+with no download: a character-level tokenizer and a small Llama built from a config.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from emapg.errors import EmapgError
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
+# One token per character: enough for arithmetic prompts and short words.
+ALPHABET = string.digits + "+-*=()" + " " + string.ascii_lowercase + ".,:;?!'\"/\n"
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over `ALPHABET`; characters outside it become `<unk>`.
+
+    Encoding prepends `<bos>` (add_special_tokens=True, the default) and never appends `<eos>`:
+    prompts are fed to `generate`, and the model must learn to emit `<eos>` itself.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Split every character into its own piece, spaces and newlines included (nothing is dropped).
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # concatenate pieces: no spaces inserted between characters
+    bos_id = vocab[BOS]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",  # generation pads on the left
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 64,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """A small Llama for `tokenizer` (0.53M parameters at the defaults), seeded init.
+
+    Two layers of width 128 learn 2-digit addition in a few hundred CPU steps; the init is
+    seeded without touching the caller's global RNG.
+    """
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,  # the vocabulary is tiny; tying halves the embedding parameters
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    gen = model.generation_config
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.bos_token_id = tokenizer.bos_token_id
+    gen.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def load_model_and_tokenizer(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local directory or the Hugging Face cache.
+
+    Never downloads (local_files_only) and never unpickles (safetensors weights only). Raises
+    ValueError with one line naming the path when it cannot be loaded.
+    """
+    path = str(path)
+    where = "directory" if os.path.isdir(path) else "Hugging Face cache entry"
+    if not os.path.isdir(path) and not _in_hf_cache(path):
+        raise EmapgError(
+            f"model path {path!r}: expected a local model directory or a model in the Hugging Face "
+            "cache; found neither (nothing is downloaded)"
+        )
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise EmapgError(f"model path {path!r}: expected a model directory with a config.json")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise EmapgError(
+            f"model path {path!r}: expected a tokenizer in this {where} ({_first_line(e)})"
+        ) from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, use_safetensors=True, dtype=dtype
+        )
+    except (OSError, ValueError) as e:
+        raise EmapgError(
+            f"model path {path!r}: expected a causal LM with safetensors weights in this {where} "
+            f"({_first_line(e)})"
+        ) from None
+    if tokenizer.eos_token_id is None:
+        raise EmapgError(
+            f"model path {path!r}: the tokenizer has no eos_token; set one in tokenizer_config.json"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out, any id will do
+    # Generation needs to know when a response ends and what to pad finished rows with.
+    gen = model.generation_config
+    if gen.pad_token_id is None:
+        gen.pad_token_id = tokenizer.pad_token_id
+    if gen.eos_token_id is None:
+        gen.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    """Whether `repo_id` has a config.json in the local Hugging Face cache (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id, e.g. a missing absolute path
+        return False
+    return isinstance(found, str)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no detail"

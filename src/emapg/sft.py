@@ -1,0 +1,359 @@
+"""Supervised warm start, accuracy helpers, and a cached warm start for the built-in tiny model.
+
+RL needs a policy that already succeeds sometimes: a short SFT on prompt+answer pairs gives a
+tiny model that is right on part of the held-out problems, so GRPO-style groups carry signal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from emapg.errors import EmapgError
+from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.tasks.base import Example, Task
+
+IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
+# Bump when the warm-start recipe changes, so stale caches are not reused.
+WARM_START_VERSION = 1
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Token ids of a prompt as the model sees it before its response.
+
+    With a chat template the prompt is one user turn plus the generation prompt; without one it
+    is the plain text with the tokenizer's own special tokens (e.g. BOS).
+    """
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask`, `labels` for prompt + answer + EOS.
+
+    Labels are IGNORE_INDEX on prompt and padding positions: the loss is on the answer and the
+    EOS token only, so the model learns to answer and to stop, not to write prompts.
+    """
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise EmapgError("sft: the tokenizer needs an eos_token and a pad_token")
+    rows: list[tuple[list[int], list[int]]] = []
+    for ex in examples:
+        p = prompt_ids(tokenizer, ex.prompt)
+        a = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((p + a, [IGNORE_INDEX] * len(p) + a))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(lab)] = torch.tensor(lab)
+        attention_mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[Example],
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    weight_decay: float = 0.01,
+    warmup_steps: int = 20,
+    min_lr_ratio: float = 1.0,
+    seed: int = 0,
+    stop: Callable[[int], bool] | None = None,
+    stop_every: int = 50,
+    progress: bool = True,
+) -> list[float]:
+    """Teacher-forced SFT with AdamW; returns the loss of every step run.
+
+    `stop(step)`, when given, is called every `stop_every` steps; training ends early when it
+    returns True (`steps` is then a cap).
+
+    Examples are visited in seeded random order, epoch after epoch. The learning rate warms up
+    linearly, then follows a cosine down to `min_lr_ratio * lr`; the default 1.0 keeps it
+    constant, which suits a warm start that is meant to stop mid-way, not converge.
+    """
+    if not examples:
+        raise EmapgError("sft: expected at least one example")
+    if steps < 1 or batch_size < 1:
+        raise EmapgError(f"sft: expected steps >= 1 and batch_size >= 1, got {steps}, {batch_size}")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        t = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    order = torch.randperm(len(examples), generator=gen)
+    pos = 0
+    losses: list[float] = []
+    model.train()
+    bar = tqdm(range(steps), desc="sft", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        if pos + batch_size > len(order):  # new epoch: reshuffle
+            order, pos = torch.randperm(len(examples), generator=gen), 0
+        idx = order[pos : pos + batch_size].tolist()
+        pos += batch_size
+        batch = {k: v.to(device) for k, v in sft_batch(tokenizer, [examples[i] for i in idx]).items()}
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if stop is not None and (step + 1) % stop_every == 0 and stop(step + 1):
+            break
+    bar.close()
+    model.eval()
+    return losses
+
+
+@torch.inference_mode()
+def generate_responses(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    *,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    max_new_tokens: int = 8,
+    batch_size: int = 512,
+    seed: int = 0,
+) -> list[list[str]]:
+    """`num_samples` responses per prompt (greedy when temperature == 0), decoded without specials.
+
+    Prompts are left-padded by hand, so the tokenizer's padding side does not matter. Sampling
+    is pure: temperature only, no top-k or top-p truncation, seeded without touching global RNG.
+    """
+    if temperature == 0 and num_samples != 1:
+        raise EmapgError("generate_responses: greedy decoding gives one response per prompt")
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
+    )
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        num_return_sequences=num_samples,
+        pad_token_id=pad,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **sampling,
+    )
+    was_training = model.training
+    model.eval()
+    per_batch = max(1, batch_size // num_samples)
+    out: list[list[str]] = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), per_batch):
+            ids = [prompt_ids(tokenizer, p) for p in prompts[start : start + per_batch]]
+            width = max(len(x) for x in ids)
+            input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(ids), width), dtype=torch.long)
+            for i, x in enumerate(ids):
+                input_ids[i, width - len(x) :] = torch.tensor(x)
+                mask[i, width - len(x) :] = 1
+            seqs = model.generate(
+                input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=config
+            )
+            texts = tokenizer.batch_decode(seqs[:, width:], skip_special_tokens=True)
+            out.extend(texts[i : i + num_samples] for i in range(0, len(texts), num_samples))
+    model.train(was_training)
+    return out
+
+
+def _default_max_new_tokens(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> int:
+    # Room for the longest answer, its EOS and one token of slack; longer output cannot score.
+    longest = max(len(tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) for ex in examples)
+    return longest + 2
+
+
+def greedy_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: Sequence[Example] | None = None,
+    *,
+    max_new_tokens: int | None = None,
+    batch_size: int = 512,
+) -> float:
+    """Mean `task.score` of greedy responses on `examples` (default: the task's eval set)."""
+    examples = list(task.eval_examples() if examples is None else examples)
+    max_new_tokens = max_new_tokens or _default_max_new_tokens(tokenizer, examples)
+    responses = generate_responses(
+        model, tokenizer, [ex.prompt for ex in examples], max_new_tokens=max_new_tokens, batch_size=batch_size
+    )
+    return sum(task.score(r[0], ex) for r, ex in zip(responses, examples, strict=True)) / len(examples)
+
+
+def sampled_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: Sequence[Example] | None = None,
+    *,
+    num_samples: int = 8,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    batch_size: int = 512,
+) -> dict[str, float]:
+    """Sampled accuracy: {"accuracy": mean score over all samples, "pass_at_n": fraction of
+    prompts with at least one sample scoring 1, "n": num_samples}."""
+    examples = list(task.eval_examples() if examples is None else examples)
+    max_new_tokens = max_new_tokens or _default_max_new_tokens(tokenizer, examples)
+    responses = generate_responses(
+        model,
+        tokenizer,
+        [ex.prompt for ex in examples],
+        num_samples=num_samples,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+    )
+    scores = [[task.score(r, ex) for r in rs] for rs, ex in zip(responses, examples, strict=True)]
+    return {
+        "accuracy": sum(map(sum, scores)) / (len(examples) * num_samples),
+        "pass_at_n": sum(max(s) >= 1.0 for s in scores) / len(examples),
+        "n": float(num_samples),
+    }
+
+
+DEFAULT_MODEL_KWARGS: dict[str, Any] = {}
+# `steps` is a cap: the warm start normally stops at its target accuracy well before it.
+DEFAULT_SFT_KWARGS: dict[str, Any] = {"steps": 1500, "batch_size": 64, "lr": 2e-3, "seed": 0}
+
+
+def warm_start(
+    cache_dir: str | os.PathLike[str],
+    *,
+    task: Task,
+    model_kwargs: dict[str, Any] | None = None,
+    sft_kwargs: dict[str, Any] | None = None,
+    target_accuracy: float | None = 0.4,
+    num_val: int = 200,
+    progress: bool = True,
+) -> Path:
+    """Build the tiny tokenizer and model, SFT them on `task.train_examples()`, cache the result.
+
+    SFT stops once greedy accuracy on `num_val` training problems held out from SFT reaches
+    `target_accuracy` (checked every `sft_kwargs["stop_every"]` steps; None: run all steps).
+    Why: a tiny model learns arithmetic in an abrupt jump whose timing varies a lot with the
+    seed, so a fixed step count gives anything from 5% to 50%; a target gives a policy that is
+    reliably mediocre, the regime where RL has signal (many groups with some right answers)
+    and room to climb.
+
+    The directory under `cache_dir` is keyed by a hash of every setting and of the training
+    examples, so a changed task or recipe never reuses a stale model. It is written to a temp
+    directory and renamed into place, so a killed run never leaves a half-written cache. Returns
+    the directory (loadable with `emapg.models.load_model_and_tokenizer`).
+    """
+    model_kwargs = {**DEFAULT_MODEL_KWARGS, **(model_kwargs or {})}
+    sft_kwargs = {**DEFAULT_SFT_KWARGS, **(sft_kwargs or {})}
+    # Key on every setting, defaults included, so changing a default never reuses a stale model.
+    resolved_model = _with_defaults(build_tiny_model, model_kwargs, skip=("tokenizer",))
+    resolved_sft = _with_defaults(
+        sft, sft_kwargs, skip=("model", "tokenizer", "examples", "stop", "progress")
+    )
+    examples = task.train_examples()
+    if target_accuracy is not None and len(examples) <= num_val:
+        raise EmapgError(f"warm_start: num_val={num_val} needs more than {len(examples)} training examples")
+    data_hash = hashlib.sha256()
+    for ex in examples:
+        data_hash.update(f"{ex.prompt}\0{ex.answer}\0".encode())
+    settings = {
+        "version": WARM_START_VERSION,
+        "task": task.name,
+        "train_examples_sha256": data_hash.hexdigest(),
+        "model_kwargs": resolved_model,
+        "sft_kwargs": resolved_sft,
+        "target_accuracy": target_accuracy,
+        "num_val": num_val if target_accuracy is not None else 0,
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"warm-start-{task.name}-{key}"
+    if (final / "warm_start.json").is_file():
+        return final
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, **model_kwargs)
+    val_history: list[tuple[int, float]] = []
+    stop = None
+    if target_accuracy is not None:
+        examples, val = examples[:-num_val], examples[-num_val:]
+
+        def stop(step: int) -> bool:
+            val_history.append((step, greedy_accuracy(model, tokenizer, task, val)))
+            return val_history[-1][1] >= target_accuracy
+
+    losses = sft(model, tokenizer, examples, stop=stop, progress=progress, **sft_kwargs)
+    if progress and val_history:
+        tqdm.write(
+            f"warm start: {len(losses)} SFT steps, held-out greedy accuracy {val_history[-1][1]:.2f} "
+            f"(target {target_accuracy})"
+        )
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-warm-start-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        record = {
+            **settings,
+            "steps_run": len(losses),
+            "final_loss": losses[-1],
+            "val_accuracy": val_history[-1][1] if val_history else None,
+            "val_history": val_history,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        # Written last: its presence marks a complete directory.
+        (tmp / "warm_start.json").write_text(json.dumps(record, indent=2, default=str))
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished first; its result is identical
+            if not (final / "warm_start.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _with_defaults(fn: Any, kwargs: dict[str, Any], skip: Sequence[str]) -> dict[str, Any]:
+    """`kwargs` completed with `fn`'s keyword defaults; raises TypeError on an unknown name."""
+    params = {n: p for n, p in inspect.signature(fn).parameters.items() if n not in skip}
+    unknown = set(kwargs) - set(params)
+    if unknown:
+        raise TypeError(
+            f"{fn.__name__}: unknown settings {sorted(unknown)}; expected some of {sorted(params)}"
+        )
+    return {n: kwargs.get(n, p.default) for n, p in params.items()}

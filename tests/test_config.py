@@ -1,0 +1,88 @@
+"""Config files, overrides and validation: each bad input is one line naming the field."""
+
+import subprocess
+import sys
+
+import pytest
+
+from emapg.cli import main
+from emapg.config import help_text, load_config
+
+
+def test_defaults_file_and_overrides_compose(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("kl:\n  k: 8\nanchor:\n  eta: 0.5\n")
+    cfg = load_config(
+        str(path), ["kl.k=16", "optim.lr=1", "optim.weight_decay=1e-2", 'rollout.stop=["\\n", "."]']
+    )
+    assert cfg.kl.k == 16 and cfg.anchor.eta == 0.5
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.rollout.stop == ["\n", "."]
+    assert cfg.optim.weight_decay == 0.01
+    assert cfg.train.name == "quickstart"  # the dataclass default
+
+
+def test_grpo_and_ema_pg_differ_only_in_anchor_kl_and_name():
+    grpo, ema = load_config("grpo"), load_config("ema_pg")
+    assert (grpo.anchor.kind, grpo.kl.estimator) == ("frozen", "k3")
+    assert (ema.anchor.kind, ema.anchor.eta, ema.anchor.update_period) == ("ema", 0.9, 10)
+    assert (ema.kl.estimator, ema.kl.direction, ema.kl.k, ema.kl.importance_weight) == (
+        "topk",
+        "reverse",
+        32,
+        True,
+    )
+    assert grpo.kl.beta == ema.kl.beta == 1e-3
+    for section in ("model", "task", "rollout", "optim", "algo", "eval", "warmstart"):
+        assert getattr(grpo, section) == getattr(ema, section), section
+    assert grpo.train.steps == ema.train.steps
+
+
+BAD = [
+    (["kl.kk=3"], "unknown config key 'kl.kk' (did you mean 'k'?)"),
+    (["kll.k=3"], "unknown config section 'kll' (did you mean 'kl'?)"),
+    (["kl.k=abc"], "kl.k: expected int, got 'abc'"),
+    (["kl.k=-1"], "kl.k must be >= 0"),
+    (["anchor.eta=1.5"], "anchor.eta must be in [0, 1]; got 1.5"),
+    (["kl.estimator=k7"], "kl estimator must be one of"),
+    (["kl.estimator=k5"], "kl estimator 'k5' estimates forward KL; got direction='reverse'"),
+    (["rollout.group_size=1"], "rollout.group_size=1 has no group std"),
+    (["kl.beta=0"], "anchor.kind=none goes with kl.beta=0"),
+    (["train.steps"], "override 'train.steps': expected key=value"),
+    (["algo.minibatches=3"], "algo.minibatches=3 must divide the 256 sequences"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD)
+def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("emapg: error: ") and message in err
+    assert "\n" not in err
+
+
+def test_missing_config_file_and_bad_yaml(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "not found (shipped configs: ema_pg, grpo, quickstart)" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kl: [1, 2\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_missing_model_path_fails_before_work(tmp_path, capsys):
+    code = main(["train", f"model.path={tmp_path / 'absent'}", f"train.output_dir={tmp_path}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "model path" in err and "absent" in err
+    assert not (tmp_path / "quickstart").exists()
+
+
+def test_help_lists_every_field_with_default():
+    text = help_text()
+    assert "kl.k = 32  -- top-k set size" in text
+    assert "anchor.eta = 0.9" in text
+    out = subprocess.run(
+        [sys.executable, "-m", "emapg", "train", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "train.steps = " in out.stdout and "rollout.group_size = 8" in out.stdout

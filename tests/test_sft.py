@@ -1,0 +1,152 @@
+"""Supervised warm start: masking, learning, generation helpers and the on-disk cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import emapg.sft as sft_module
+from emapg.models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
+from emapg.sft import (
+    IGNORE_INDEX,
+    generate_responses,
+    greedy_accuracy,
+    sampled_accuracy,
+    sft,
+    sft_batch,
+    warm_start,
+)
+from emapg.tasks.arithmetic import ArithmeticTask
+from emapg.tasks.base import Example
+
+EXAMPLES = [Example("1+2=", "3"), Example("45+17=", "62"), Example("9+9=", "18"), Example("120+7=", "127")]
+
+
+def test_sft_batch_masks_prompt_and_padding() -> None:
+    tok = build_tiny_tokenizer()
+    batch = sft_batch(tok, EXAMPLES)
+    for i, ex in enumerate(EXAMPLES):
+        n_prompt = 1 + len(ex.prompt)  # BOS + one token per character
+        n = n_prompt + len(ex.answer) + 1
+        ids, labels, mask = batch["input_ids"][i], batch["labels"][i], batch["attention_mask"][i]
+        assert tok.decode(ids[:n], skip_special_tokens=True) == ex.prompt + ex.answer
+        assert ids[n - 1] == tok.eos_token_id
+        assert (labels[:n_prompt] == IGNORE_INDEX).all()  # prompt: no loss
+        assert torch.equal(labels[n_prompt:n], ids[n_prompt:n])  # answer and EOS: loss
+        assert (labels[n:] == IGNORE_INDEX).all() and (ids[n:] == tok.pad_token_id).all()
+        assert mask[:n].all() and not mask[n:].any()
+
+
+def test_model_loss_counts_answer_tokens_only() -> None:
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, hidden_size=32, num_layers=1)
+    batch = sft_batch(tok, EXAMPLES)
+    out = model(**batch)
+    # Next-token cross-entropy on exactly the answer + EOS positions.
+    logits, labels = out.logits[:, :-1], batch["labels"][:, 1:]
+    keep = labels != IGNORE_INDEX
+    assert keep.sum() == sum(len(ex.answer) + 1 for ex in EXAMPLES)
+    manual = F.cross_entropy(logits[keep], labels[keep])
+    torch.testing.assert_close(out.loss, manual)
+
+
+def _fit_tiny(steps: int = 150) -> tuple[torch.nn.Module, object]:
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, hidden_size=64, num_layers=2, seed=0)
+    losses = sft(model, tok, EXAMPLES, steps=steps, batch_size=4, lr=3e-3, warmup_steps=5, progress=False)
+    return model, tok, losses
+
+
+def test_sft_memorises_a_tiny_problem_and_greedy_accuracy_sees_it() -> None:
+    torch.manual_seed(0)
+    model, tok, losses = _fit_tiny()
+    assert losses[0] > 2.0 and sum(losses[-10:]) / 10 < 0.05
+    task = ArithmeticTask(seed=0, num_train=1, num_eval=1)
+    assert greedy_accuracy(model, tok, task, EXAMPLES) == 1.0
+    # An untrained model of the same shape gets (almost surely) none right.
+    fresh = build_tiny_model(tok, hidden_size=64, num_layers=2, seed=1)
+    assert greedy_accuracy(fresh, tok, task, EXAMPLES) == 0.0
+    # Near-zero temperature sampling agrees with greedy; pass@n is at least the accuracy.
+    cold = sampled_accuracy(model, tok, task, EXAMPLES, num_samples=4, temperature=1e-3)
+    assert cold["accuracy"] == 1.0 and cold["pass_at_n"] == 1.0
+    hot = sampled_accuracy(fresh, tok, task, EXAMPLES, num_samples=4, temperature=1.0, seed=3)
+    assert hot["pass_at_n"] >= hot["accuracy"]
+
+
+def test_batched_left_padded_generation_matches_one_by_one() -> None:
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, hidden_size=32, num_layers=2, seed=5)
+    prompts = ["1+2=", "123+456=", "77+8="]  # different lengths, so the batch needs padding
+    batched = generate_responses(model, tok, prompts, max_new_tokens=6, batch_size=8)
+    single = generate_responses(model, tok, prompts, max_new_tokens=6, batch_size=1)
+    assert batched == single
+    a = generate_responses(model, tok, prompts, num_samples=3, temperature=1.0, seed=7)
+    b = generate_responses(model, tok, prompts, num_samples=3, temperature=1.0, seed=7)
+    assert a == b and len(a) == 3 and all(len(r) == 3 for r in a)
+
+
+def _small_warm_start(tmp_path: Path, steps: int = 3, **kwargs: object) -> Path:
+    task = ArithmeticTask(seed=0, num_train=40, num_eval=10, max_digits=2)
+    kwargs = {"target_accuracy": None, **kwargs}
+    return warm_start(
+        tmp_path,
+        task=task,
+        model_kwargs={"hidden_size": 32, "num_layers": 1},
+        sft_kwargs={"steps": steps, "batch_size": 8, "stop_every": 2},
+        progress=False,
+        **kwargs,
+    )
+
+
+def test_warm_start_is_cached_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _small_warm_start(tmp_path)
+    assert (path / "model.safetensors").is_file() and (path / "warm_start.json").is_file()
+    model, tok = load_model_and_tokenizer(path)
+    assert (
+        model.config.hidden_size == 32
+        and tok("12+3=")["input_ids"] == build_tiny_tokenizer()("12+3=")["input_ids"]
+    )
+
+    def boom() -> None:
+        raise AssertionError("warm_start recomputed a cached result")
+
+    monkeypatch.setattr(sft_module, "build_tiny_tokenizer", boom)
+    assert _small_warm_start(tmp_path) == path
+    with pytest.raises(AssertionError, match="recomputed"):
+        _small_warm_start(tmp_path, steps=4)  # other settings, other key: computes
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp dir left behind
+
+
+def test_warm_start_killed_midway_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def killed(self: object, *args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(build_tiny_tokenizer()), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _small_warm_start(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert (_small_warm_start(tmp_path) / "warm_start.json").is_file()
+
+
+def test_warm_start_stops_at_its_target(tmp_path: Path) -> None:
+    # Target 0: met at the first check, after stop_every=2 steps out of the 50 allowed.
+    path = _small_warm_start(tmp_path, steps=50, target_accuracy=0.0, num_val=5)
+    record = json.loads((path / "warm_start.json").read_text())
+    assert record["steps_run"] == 2 and record["val_accuracy"] >= 0.0
+    # An unreachable target runs every step, checking every stop_every.
+    path = _small_warm_start(tmp_path, steps=6, target_accuracy=1.01, num_val=5)
+    record = json.loads((path / "warm_start.json").read_text())
+    assert record["steps_run"] == 6 and [s for s, _ in record["val_history"]] == [2, 4, 6]
+    with pytest.raises(ValueError, match="num_val"):
+        _small_warm_start(tmp_path, target_accuracy=0.5, num_val=40)
+
+
+def test_warm_start_rejects_unknown_settings(tmp_path: Path) -> None:
+    task = ArithmeticTask(seed=0, num_train=40, num_eval=10, max_digits=2)
+    with pytest.raises(TypeError, match="stepz"):
+        warm_start(tmp_path, task=task, sft_kwargs={"stepz": 3}, progress=False)

@@ -36,9 +36,10 @@ class ModelConfig:
 
 @dataclass
 class WarmStartConfig:
-    steps: int = _f(600, "supervised steps that warm-start builtin:tiny (cached by settings)")
+    steps: int = _f(1500, "most supervised steps that warm-start builtin:tiny (cached by settings)")
     batch_size: int = _f(64, "supervised batch size")
-    lr: float = _f(1e-3, "supervised learning rate")
+    lr: float = _f(3e-3, "supervised learning rate")
+    target_accuracy: float = _f(0.35, "stop SFT at this held-out sampled accuracy (0: run all steps)")
     cache_dir: str = _f("~/.cache/emapg", "where warm starts are cached")
 
 
@@ -274,6 +275,7 @@ def validate(cfg: Config) -> None:
         (cfg.anchor.kind == "none") == (cfg.kl.beta == 0),
         "anchor.kind=none goes with kl.beta=0 and only then (a KL needs an anchor)",
     )
+    _check(0 <= cfg.warmstart.target_accuracy <= 1, "warmstart.target_accuracy must be in [0, 1]")
     _check(cfg.train.steps >= 0, "train.steps must be >= 0")
     _check(
         cfg.train.eval_every >= 1 and cfg.train.save_every >= 1,

@@ -59,17 +59,19 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerBase,
     *,
-    hidden_size: int = 128,
+    hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
+    num_heads: int = 8,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 64,
     seed: int = 0,
 ) -> LlamaForCausalLM:
-    """A small Llama for `tokenizer` (0.53M parameters at the defaults), seeded init.
+    """A small Llama for `tokenizer` (0.135M parameters at the defaults), seeded init.
 
-    Two layers of width 128 learn 2-digit addition in a few hundred CPU steps; the init is
-    seeded without touching the caller's global RNG.
+    Sized by measurement on 2 CPU cores: at width 64 with 8 heads of size 8, 2 layers learn
+    1-2 digit addition in 350-950 SFT steps over seeds, sooner in wall time than wider
+    models (width 128, 4 heads: 450-1400 steps at 2.5x the cost per step). The init is seeded
+    without touching the caller's global RNG.
     """
     config = LlamaConfig(
         vocab_size=len(tokenizer),

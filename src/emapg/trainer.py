@@ -258,7 +258,13 @@ def load_policy(cfg: Config, task: Task, progress: bool):
 
         w = cfg.warmstart
         sft_kwargs = {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr, "seed": cfg.train.seed}
-        path = warm_start(Path(w.cache_dir).expanduser(), task=task, sft_kwargs=sft_kwargs, progress=progress)
+        path = warm_start(
+            Path(w.cache_dir).expanduser(),
+            task=task,
+            sft_kwargs=sft_kwargs,
+            target_accuracy=w.target_accuracy or None,
+            progress=progress,
+        )
     return load_model_and_tokenizer(path, dtype=dtype)
 
 

@@ -22,7 +22,7 @@ def _train(args) -> None:
     result = train(cfg, resume=args.resume)
     before, after = result["accuracy_before"], result["accuracy_after"]
     print(
-        f"eval/accuracy {before:.1%} before training -> {after:.1%} after ({after - before:+.1%}); "
+        f"eval/accuracy {before:.1%} before training -> {after:.1%} after ({100 * (after - before):+.1f} points); "
         f"run: {result['run_dir']}"
     )
 

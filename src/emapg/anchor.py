@@ -20,13 +20,15 @@ class Anchor:
     require grad and are never seen by the optimiser.
     """
 
-    def __init__(self, policy: nn.Module, eta: float, update_period: int):
+    def __init__(self, policy: nn.Module, eta: float, update_period: int, *, model: nn.Module | None = None):
+        """`model`: a reference copy that already exists (e.g. TRL's ref_model) to use as the anchor
+        in place; by default the anchor deep-copies `policy`."""
         if not 0.0 <= eta <= 1.0:
             raise EmapgError(f"anchor.eta must be in [0, 1]; got {eta}")
         if update_period < 1:
             raise EmapgError(f"anchor.update_period must be >= 1; got {update_period}")
         self.eta, self.update_period = eta, update_period
-        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.model = (copy.deepcopy(policy) if model is None else model).eval().requires_grad_(False)
         self.updates = 0
 
     @torch.no_grad()

@@ -1,9 +1,10 @@
-"""Command line: emapg train | sft."""
+"""Command line: emapg train | sft | report."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from emapg.errors import EmapgError
 
@@ -37,6 +38,13 @@ def _sft(args) -> None:
     print(f"warm start ready (cached under {cfg.warmstart.cache_dir})")
 
 
+def _report(args) -> None:
+    from emapg.report import report
+
+    print(report(args.runs, args.out, args.threshold, args.smooth), end="")
+    print(f"curves: {args.out}; table: {Path(args.out).with_suffix('.md')}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from emapg.config import help_text
 
@@ -58,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--config", help="YAML config file or shipped config name (default: quickstart)")
     sft.add_argument("overrides", nargs="*", metavar="key=value")
     sft.set_defaults(func=_sft)
+    rep = sub.add_parser(
+        "report", help="learning curves of runs on shared axes (seeds grouped) and a table of final figures"
+    )
+    rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (runs/<name>)")
+    rep.add_argument("--out", default="report.png", help="PNG to write; the table goes beside it as .md")
+    rep.add_argument("--threshold", type=float, help="also report the first step eval/accuracy reaches this")
+    rep.add_argument("--smooth", type=int, default=5, help="trailing mean over this many steps (not eval)")
+    rep.set_defaults(func=_report)
     return parser
 
 

@@ -1,0 +1,106 @@
+"""The GRPO vs EMA-PG study: four configs x several seeds on the built-in tasks, equal budgets.
+
+    python benchmarks/study.py [--tasks arithmetic search] [--seeds 3] [--steps N] [key=value ...]
+
+Configs (the ablation of EMA-PG's two parts, everything else equal):
+  grpo       frozen anchor + k3           ema_only   EMA anchor + k3
+  topk_only  frozen anchor + top-k KL     ema_pg     EMA anchor + top-k KL
+with beta 1e-3, k 32, eta 0.9 every 10 steps. Runs go to benchmarks/study_runs/<task>-<config>-seedN
+(a finished run is reused, so an interrupted study picks up where it stopped). Writes
+benchmarks/RESULTS.md (per task: `emapg report`'s table, wall time per run) and
+benchmarks/study_<task>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from emapg.checkpoint import list_checkpoints
+from emapg.config import load_config
+from emapg.report import load_run, plot, summary_table
+from emapg.trainer import train
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = {
+    "grpo": ["anchor.kind=frozen", "kl.estimator=k3"],
+    "ema_only": ["anchor.kind=ema", "kl.estimator=k3"],
+    "topk_only": ["anchor.kind=frozen", "kl.estimator=topk"],
+    "ema_pg": ["anchor.kind=ema", "kl.estimator=topk"],
+}
+SHARED = ["kl.beta=0.001", "kl.k=32", "kl.direction=reverse", "kl.importance_weight=true",
+          "anchor.eta=0.9", "anchor.update_period=10"]  # fmt: skip
+# Per task: base config, and the held-out accuracy whose first crossing is reported.
+TASKS = {"arithmetic": ("quickstart", 0.4), "search": ("search_tiny", 0.3)}
+
+
+def run_one(task: str, variant: str, seed: int, steps: int | None, extra: list[str], out: Path) -> float:
+    """Train one run unless it already finished; returns its wall time in seconds (0: reused)."""
+    name = f"{task}-{variant}-seed{seed}"
+    base, _ = TASKS[task]
+    overrides = [*SHARED, *VARIANTS[variant], f"train.seed={seed}", f"train.name={name}",
+                 f"train.output_dir={out}", "train.progress=false", *extra]  # fmt: skip
+    if steps is not None:
+        overrides.append(f"train.steps={steps}")
+    cfg = load_config(base, overrides)
+    done = list_checkpoints(out / name / "checkpoints")
+    if done and done[-1].name == f"step_{cfg.train.steps}":
+        return 0.0
+    t0 = time.perf_counter()
+    train(cfg)
+    seconds = time.perf_counter() - t0
+    (out / name / "wall_time.json").write_text(json.dumps({"seconds": round(seconds, 1)}))
+    print(f"{name}: {seconds:.0f} s", flush=True)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, help="training steps per run (default: the base config's)")
+    parser.add_argument("--out", type=Path, default=HERE / "study_runs")
+    parser.add_argument("overrides", nargs="*", help="extra key=value for every run")
+    args = parser.parse_args()
+
+    sections = []
+    for task in args.tasks:
+        base, threshold = TASKS[task]
+        names = []
+        for variant in VARIANTS:
+            for seed in range(args.seeds):
+                run_one(task, variant, seed, args.steps, args.overrides, args.out)
+                names.append(f"{task}-{variant}-seed{seed}")
+        runs = [load_run(args.out / n) for n in names]
+        timed = [args.out / n / "wall_time.json" for n in names]
+        walls = [json.loads(p.read_text())["seconds"] for p in timed if p.is_file()] or [0.0]
+        png = HERE / f"study_{task}.png"
+        plot(runs, png)
+        steps = max(runs[0].series["eval/accuracy"])
+        sections.append(
+            f"## {task} (base config `{base}`, {steps} steps, {args.seeds} seeds)\n\n"
+            f"{summary_table(runs, threshold)}\n"
+            f"Wall time per run, warm start included: {min(walls):.0f}-{max(walls):.0f} s on this machine. "
+            f"Curves: `benchmarks/{png.name}`.\n"
+        )
+    command = "python benchmarks/study.py " + " ".join(
+        [f"--tasks {' '.join(args.tasks)}", f"--seeds {args.seeds}"]
+        + ([f"--steps {args.steps}"] if args.steps else [])
+        + args.overrides
+    )
+    text = (
+        "# GRPO vs EMA-PG: the study\n\n"
+        f"Regenerate with `{command}`. Mean ± std over seeds of held-out accuracy (pass@1) at the\n"
+        "first and last evaluation, reward and KL averaged over the last 10 steps, and the first\n"
+        "evaluation step reaching the threshold.\n\n" + "\n".join(sections)
+    )
+    (HERE / "RESULTS.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

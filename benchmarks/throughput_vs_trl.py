@@ -1,0 +1,256 @@
+"""Training throughput of emapg's trainer against TRL's GRPOTrainer on the same workload.
+
+Same model (a random Llama built from a config, saved once, loaded by both), same arithmetic
+prompts and reward, same group size, batch and response length limit, k3 KL against a frozen
+reference with the same beta, fp32, token-mean loss, one optimiser step per rollout, one micro
+batch. The two run alternately in one process (emapg, TRL, emapg, TRL, ...), so that load
+from other processes hits both alike.
+
+Per side it prints response tokens per second of training-step wall time (the first step of
+every run is a warm-up and left out), the mean phase split, and the peak RSS of the run:
+the process's RSS high-water mark (VmHWM), reset before each run through /proc/self/clear_refs,
+so it includes the interpreter and both libraries (the "over start" column subtracts the RSS
+at the run's start).
+
+    python benchmarks/throughput_vs_trl.py [--rounds 3] [--steps 4] [--prompts 8] [--group 8]
+        [--max-new-tokens 32] [--hidden 128] [--layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import PrinterCallback, TrainerCallback
+from transformers.utils import logging as hf_logging
+from trl import GRPOConfig, GRPOTrainer
+
+from emapg.config import load_config
+from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.tasks.arithmetic import ArithmeticTask, exact_match
+from emapg.trainer import train
+
+BETA = 0.01
+THREADS = 2
+
+
+def rss_mb(field: str) -> float:
+    """VmRSS or VmHWM of this process, MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> float:
+    """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs); returns that RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return rss_mb("VmRSS")
+
+
+def run_emapg(model_dir: str, args, out: str, round_: int) -> dict:
+    cfg = load_config(
+        "quickstart",
+        [
+            f"model.path={model_dir}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+            f"rollout.max_new_tokens={args.max_new_tokens}", f"algo.micro_batch_size={args.prompts * args.group}",
+            "algo.loss_aggregation=token_mean", "kl.estimator=k3", f"kl.beta={BETA}", "anchor.kind=frozen",
+            f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.save_every={args.steps}",
+            f"train.output_dir={out}", f"train.name=emapg{round_}", f"train.threads={THREADS}",
+            "train.tensorboard=false", "train.progress=false", "task.num_eval=8", "eval.samples=1",
+            "optim.lr=1e-5",
+        ],
+    )  # fmt: skip
+    start = reset_peak_rss()
+    train(cfg)
+    peak = rss_mb("VmHWM")
+    lines = (Path(out) / cfg.train.name / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r["step"] > 1]  # step 0: eval; step 1: warm-up
+    seqs = args.prompts * args.group
+    phases = defaultdict(float)
+    for r in records:
+        for p in ("rollout", "scoring", "anchor", "update", "ema"):
+            phases[p] += r[f"time/{p}_s"]
+    return {
+        "tokens": sum(r["response_length/mean"] * seqs for r in records),
+        "seconds": sum(r["time/step_s"] for r in records),
+        "phases": dict(phases),
+        "steps": len(records),
+        "peak": peak,
+        "start": start,
+    }
+
+
+class TimedGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer with wall-clock timers around its phases (nothing else changed)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.timer = defaultdict(float)
+
+    def _timed(self, name, fn, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            self.timer[name] += time.perf_counter() - t
+
+    def _generate(self, prompts):
+        return self._timed("generate", super()._generate, prompts)
+
+    def _calculate_rewards(self, *a, **kw):
+        return self._timed("scoring", super()._calculate_rewards, *a, **kw)
+
+    def _get_per_token_logps_and_entropies(self, model, *a, **kw):
+        if model is not self.ref_model:
+            return super()._get_per_token_logps_and_entropies(model, *a, **kw)
+        return self._timed("anchor", super()._get_per_token_logps_and_entropies, model, *a, **kw)
+
+    def _generate_and_score_completions(self, inputs):
+        return self._timed("rollout total", super()._generate_and_score_completions, inputs)
+
+    def training_step(self, *a, **kw):
+        return self._timed("training_step", super().training_step, *a, **kw)
+
+
+class StepClock(TrainerCallback):
+    """Wall time of every optimiser step (generation, loss, backward, optimiser, logging)."""
+
+    def __init__(self, timer: dict):
+        self.timer, self.seconds, self.snapshots, self._t = timer, [], [], None
+
+    def on_step_begin(self, args, state, control, **kw):
+        self._t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.seconds.append(time.perf_counter() - self._t)
+        self.snapshots.append(dict(self.timer))
+
+
+def run_trl(model_dir: str, args, out: str, round_: int, task: ArithmeticTask) -> dict:
+    torch.set_num_threads(THREADS)
+    examples = task.train_examples()
+    dataset = Dataset.from_dict(
+        {"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]}
+    )
+
+    def reward(completions, answer, **kw):
+        return [exact_match(c, a) for c, a in zip(completions, answer, strict=True)]
+
+    config = GRPOConfig(
+        output_dir=os.path.join(out, f"trl{round_}"), per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group, max_completion_length=args.max_new_tokens, max_steps=args.steps,
+        beta=BETA, use_bias_correction_kl=False, loss_type="bnpo", bf16=False, use_cpu=True, seed=round_,
+        learning_rate=1e-5, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    tokenizer = build_tiny_tokenizer()
+    start = reset_peak_rss()
+    trainer = TimedGRPOTrainer(
+        model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
+    clock = StepClock(trainer.timer)
+    trainer.remove_callback(PrinterCallback)  # logging_steps=1 feeds log_history; keep stdout clean
+    trainer.add_callback(clock)
+    trainer.train()
+    peak = rss_mb("VmHWM")
+    lengths = [
+        h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
+    ]
+    seqs = args.prompts * args.group
+    # Phases over steps 2.. (the first is a warm-up): differences of the running timers.
+    first, last = clock.snapshots[0], clock.snapshots[-1]
+    spent = {k: last.get(k, 0.0) - first.get(k, 0.0) for k in last}
+    seconds = sum(clock.seconds[1:])
+    rollout = spent["rollout total"]
+    phases = {
+        "rollout": spent["generate"],
+        "scoring": spent["scoring"],
+        "anchor": spent.get("anchor", 0.0),
+        # tokenising, decoding, advantages, metrics (and TRL's old-log-prob pass, off by default here)
+        "rollout, other": rollout - spent["generate"] - spent["scoring"] - spent.get("anchor", 0.0),
+        "update (fwd+bwd)": spent["training_step"] - rollout,
+        "optimiser, callbacks": seconds - spent["training_step"],
+    }  # fmt: skip
+    return {
+        "tokens": sum(lengths[1:]) * seqs,
+        "seconds": seconds,
+        "phases": phases,
+        "steps": len(clock.seconds) - 1,
+        "peak": peak,
+        "start": start,
+    }
+
+
+def summarize(name: str, runs: list[dict]) -> float:
+    tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    per_run = [r["tokens"] / r["seconds"] for r in runs]
+    peak = max(r["peak"] for r in runs)
+    over = statistics.median(r["peak"] - r["start"] for r in runs)
+    print(f"\n{name}: {tokens / seconds:,.0f} response tokens/s (runs: {', '.join(f'{x:,.0f}' for x in per_run)}), "
+          f"{seconds / sum(r['steps'] for r in runs):.2f} s per step; peak RSS {peak:,.0f} MB "
+          f"(median {over:,.0f} MB over the run's start)")  # fmt: skip
+    phases = defaultdict(float)
+    for r in runs:
+        for k, v in r["phases"].items():
+            phases[k] += v
+    for k, v in phases.items():
+        print(f"  {k:<22}{v / seconds:>7.1%}  {v:>8.2f} s")
+    return tokens / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=4, help="optimiser steps per run (the first is a warm-up)"
+    )
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step of each run is a warm-up)")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(THREADS)
+    cfg = load_config("quickstart")
+    task = ArithmeticTask(seed=cfg.task.seed, num_train=cfg.task.num_train, num_eval=8,
+                          min_digits=cfg.task.min_digits, max_digits=cfg.task.max_digits)  # fmt: skip
+    with tempfile.TemporaryDirectory() as out:
+        model_dir = os.path.join(out, "model")
+        tokenizer = build_tiny_tokenizer()
+        model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
+                                 max_position_embeddings=128)  # fmt: skip
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        print(f"model: random Llama, hidden {args.hidden}, {args.layers} layers, {params:.2f}M parameters, "
+              f"vocab {len(tokenizer)}, fp32; {args.prompts} prompts x {args.group} samples, <= {args.max_new_tokens} "
+              f"new tokens; k3 KL, frozen reference, beta {BETA}; {THREADS} threads; {args.rounds} rounds of "
+              f"{args.steps} steps each, alternating")  # fmt: skip
+        emapg_runs, trl_runs = [], []
+        for round_ in range(args.rounds):
+            emapg_runs.append(run_emapg(model_dir, args, out, round_))
+            trl_runs.append(run_trl(model_dir, args, out, round_, task))
+    ours = summarize("emapg", emapg_runs)
+    theirs = summarize("TRL GRPOTrainer", trl_runs)
+    print(
+        f"\nthroughput emapg / TRL = {ours / theirs:.2f}x (goal >= 1.3x): {'met' if ours >= 1.3 * theirs else 'NOT met'}"
+    )
+    print(f"load average after the run: {os.getloadavg()[0]:.1f} (the machine may be shared)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""`emapg report`: learning curves of several runs on shared axes and a table of final figures.
+
+Runs are grouped by name: `grpo-seed0`, `grpo-seed1` ... form the group `grpo` (a trailing
+`-seedN` / `_seedN` / `-sN` is dropped), so seeds of one config show as a mean with a band
+(min to max over seeds). Curves are read from each run's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from emapg.errors import EmapgError
+
+CURVES = (
+    ("reward/mean", "reward"),
+    ("eval/accuracy", "held-out accuracy"),
+    ("kl/value", "KL to the anchor"),
+    ("entropy", "entropy"),
+    ("response_length/mean", "response length"),
+)
+_SEED_SUFFIX = re.compile(r"[-_](seed|s)\d+$")
+
+
+@dataclass
+class Run:
+    name: str
+    group: str
+    series: dict[str, dict[int, float]] = field(default_factory=dict)  # metric -> step -> value
+
+
+def group_name(run_name: str) -> str:
+    return _SEED_SUFFIX.sub("", run_name)
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """A run's metrics by step; a torn or unreadable line is a clear error, not a silent gap."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise EmapgError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
+    name = Path(run_dir).resolve().name
+    run = Run(name=name, group=group_name(name))
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise EmapgError(f"{path}:{number}: not a JSON object") from None
+        step = record.get("step")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                run.series.setdefault(key, {})[step] = float(value)
+    return run
+
+
+def aligned(runs: list[Run], metric: str, smooth: int = 1) -> tuple[list[int], list[list[float]]]:
+    """Steps every run of the group logged `metric` at, and each run's values there.
+
+    `smooth` > 1 replaces each value by the mean of the last `smooth` logged values (trailing
+    window, so a curve never looks ahead)."""
+    present = [r.series[metric] for r in runs if metric in r.series]
+    if len(present) < len(runs) or not present:
+        return [], []
+    steps = sorted(set.intersection(*(set(s) for s in present)))
+    values = []
+    for series in present:
+        ordered = [series[s] for s in sorted(series)]
+        index = {s: i for i, s in enumerate(sorted(series))}
+        window = max(smooth, 1)
+        values.append(
+            [statistics.fmean(ordered[max(0, index[s] - window + 1) : index[s] + 1]) for s in steps]
+        )
+    return steps, values
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _fmt(mean: float, std: float, digits: int, n: int) -> str:
+    return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _last(run: Run, metric: str, window: int) -> float:
+    series = run.series.get(metric, {})
+    values = [series[s] for s in sorted(series)][-window:]
+    return statistics.fmean(values) if values else math.nan
+
+
+def steps_to_threshold(run: Run, threshold: float) -> int | None:
+    """First step whose eval/accuracy reaches `threshold` (None: never)."""
+    series = run.series.get("eval/accuracy", {})
+    return next((s for s in sorted(series) if series[s] >= threshold), None)
+
+
+def groups(runs: list[Run]) -> dict[str, list[Run]]:
+    out: dict[str, list[Run]] = {}
+    for run in runs:
+        out.setdefault(run.group, []).append(run)
+    return out
+
+
+def summary_table(runs: list[Run], threshold: float | None = None, window: int = 10) -> str:
+    """Markdown: per group, mean ± std over seeds of the first and final held-out accuracy, of
+    reward and KL averaged over the last `window` steps, and of the steps to `threshold`."""
+    header = ["config", "seeds", "accuracy before", "accuracy after", "reward (last)", "KL (last)"]
+    if threshold is not None:
+        header.append(f"steps to {threshold:g}")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, members in groups(runs).items():
+        n = len(members)
+        first = [
+            r.series["eval/accuracy"][min(r.series["eval/accuracy"])]
+            for r in members
+            if "eval/accuracy" in r.series
+        ]
+        final = [
+            r.series["eval/accuracy"][max(r.series["eval/accuracy"])]
+            for r in members
+            if "eval/accuracy" in r.series
+        ]
+        row = [
+            name,
+            str(n),
+            _fmt(*_mean_std(first), 3, n) if first else "-",
+            _fmt(*_mean_std(final), 3, n) if final else "-",
+            _fmt(*_mean_std([_last(r, "reward/mean", window) for r in members]), 3, n),
+            _fmt(*_mean_std([_last(r, "kl/value", window) for r in members]), 4, n),
+        ]
+        if threshold is not None:
+            reached = [s for s in (steps_to_threshold(r, threshold) for r in members) if s is not None]
+            if not reached:
+                row.append("never")
+            else:
+                cell = _fmt(*_mean_std(reached), 0, len(reached))
+                row.append(cell if len(reached) == n else f"{cell} ({len(reached)}/{n} reached)")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[Run], out: str | Path, smooth: int = 5):
+    """One panel per curve, groups in shared colours, mean line with a min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.4), constrained_layout=True)
+    for (metric, title), ax in zip(CURVES, axes, strict=True):
+        for colour, (name, members) in enumerate(groups(runs).items()):
+            # Evaluation is sparse and already an average: smoothing it would hide its steps.
+            steps, values = aligned(members, metric, 1 if metric.startswith("eval/") else smooth)
+            if not steps:
+                continue
+            columns = list(zip(*values, strict=True))
+            mean = [statistics.fmean(c) for c in columns]
+            ax.plot(steps, mean, color=f"C{colour}", label=f"{name} (n={len(members)})")
+            if len(members) > 1:
+                ax.fill_between(
+                    steps, [min(c) for c in columns], [max(c) for c in columns], color=f"C{colour}", alpha=0.2
+                )
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.savefig(out, dpi=120)
+    return fig
+
+
+def report(run_dirs: list[str], out: str | Path, threshold: float | None, smooth: int) -> str:
+    """Write the PNG and `<out>.md`; return the markdown table."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise EmapgError("emapg report needs matplotlib: pip install 'emapg[report]'") from None
+    if smooth < 1:
+        raise EmapgError(f"--smooth must be >= 1, got {smooth}")
+    runs = [load_run(d) for d in run_dirs]
+    table = summary_table(runs, threshold)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig = plot(runs, out, smooth)
+    fig.clf()  # free it: pyplot keeps every figure alive until closed
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    out.with_suffix(".md").write_text(table)
+    return table

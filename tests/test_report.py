@@ -1,0 +1,91 @@
+"""emapg report: grouping by name, seed alignment, smoothing and the final-figures table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from emapg.cli import main
+from emapg.errors import EmapgError
+from emapg.report import aligned, group_name, load_run, plot, summary_table
+
+
+def write_run(root, name, rows):
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def rows(accuracies, rewards, kl=0.01):
+    """Eval at steps 0 and 2, a train record at steps 1..len(rewards)."""
+    out = [{"step": 0, "eval/accuracy": accuracies[0]}]
+    for step, reward in enumerate(rewards, 1):
+        record = {"step": step, "reward/mean": reward, "kl/value": kl * step, "entropy": 1.0}
+        if step == 2:
+            record["eval/accuracy"] = accuracies[1]
+        out.append(record)
+    return out
+
+
+def test_group_names_drop_the_seed_suffix_only():
+    assert group_name("grpo-seed3") == group_name("grpo_seed12") == group_name("grpo-s0") == "grpo"
+    assert group_name("ema_pg") == "ema_pg"
+    assert group_name("seeds-seedling") == "seeds-seedling"
+
+
+def test_table_means_and_stds_over_seeds(tmp_path):
+    a = load_run(write_run(tmp_path, "grpo-seed0", rows([0.2, 0.5], [0.1, 0.3])))
+    b = load_run(write_run(tmp_path, "grpo-seed1", rows([0.4, 0.7], [0.3, 0.5])))
+    c = load_run(write_run(tmp_path, "ema", rows([0.2, 0.3], [0.2, 0.2])))
+    table = summary_table([a, b, c], threshold=0.5, window=2).splitlines()
+    # grpo: before (0.2, 0.4) -> 0.300 ± 0.141; after (0.5, 0.7) -> 0.600 ± 0.141;
+    # reward mean of the last 2 steps: 0.2 and 0.4 -> 0.300 ± 0.141; KL 0.015 both; both reach 0.5 at step 2.
+    assert (
+        table[2] == "| grpo | 2 | 0.300 ± 0.141 | 0.600 ± 0.141 | 0.300 ± 0.141 | 0.0150 ± 0.0000 | 2 ± 0 |"
+    )
+    assert table[3] == "| ema | 1 | 0.200 | 0.300 | 0.200 | 0.0150 | never |"
+
+
+def test_partial_threshold_says_how_many_reached(tmp_path):
+    a = load_run(write_run(tmp_path, "x-s0", rows([0.2, 0.6], [0.1, 0.3])))
+    b = load_run(write_run(tmp_path, "x-s1", rows([0.2, 0.4], [0.1, 0.3])))
+    assert summary_table([a, b], threshold=0.5).splitlines()[2].endswith("| 2 (1/2 reached) |")
+
+
+def test_alignment_keeps_common_steps_and_smooths_backwards(tmp_path):
+    a = load_run(write_run(tmp_path, "g-s0", rows([0, 0], [1.0, 2.0, 3.0])))
+    b = load_run(write_run(tmp_path, "g-s1", rows([0, 0], [5.0, 7.0])))
+    steps, values = aligned([a, b], "reward/mean", smooth=2)
+    assert steps == [1, 2]
+    assert values == [[1.0, 1.5], [5.0, 6.0]]
+
+
+def test_plot_draws_the_mean_of_each_group(tmp_path):
+    a = load_run(write_run(tmp_path, "g-s0", rows([0.2, 0.4], [1.0, 2.0])))
+    b = load_run(write_run(tmp_path, "g-s1", rows([0.4, 0.8], [3.0, 4.0])))
+    fig = plot([a, b], tmp_path / "r.png", smooth=1)
+    reward_ax, accuracy_ax = fig.axes[0], fig.axes[1]
+    assert list(reward_ax.get_lines()[0].get_ydata()) == [2.0, 3.0]
+    assert list(accuracy_ax.get_lines()[0].get_xdata()) == [0, 2]
+    assert list(accuracy_ax.get_lines()[0].get_ydata()) == pytest.approx([0.3, 0.6])
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_writes_png_and_table(tmp_path, capsys):
+    run = write_run(tmp_path, "only", rows([0.1, 0.2], [0.5, 0.5]))
+    out = tmp_path / "out" / "report.png"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    assert out.is_file()
+    assert (tmp_path / "out" / "report.md").read_text() in capsys.readouterr().out
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.strip().endswith("no metrics.jsonl (is this a run directory?)")
+    run = write_run(tmp_path, "torn", [{"step": 0}])
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 1, "rew')
+    with pytest.raises(EmapgError, match=r"metrics.jsonl:2: not a JSON object"):
+        load_run(run)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from emapg.cli import main
-from emapg.config import help_text, load_config
+from emapg.config import CONFIG_DIR, help_text, load_config
 
 
 def test_defaults_file_and_overrides_compose(tmp_path):
@@ -63,7 +63,8 @@ def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
 
 def test_missing_config_file_and_bad_yaml(tmp_path, capsys):
     assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
-    assert "not found (shipped configs: ema_pg, grpo, quickstart)" in capsys.readouterr().err
+    shipped = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    assert f"not found (shipped configs: {shipped})" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("kl: [1, 2\n")
     assert main(["train", "--config", str(bad)]) == 2
@@ -74,7 +75,7 @@ def test_missing_model_path_fails_before_work(tmp_path, capsys):
     code = main(["train", f"model.path={tmp_path / 'absent'}", f"train.output_dir={tmp_path}"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "model path" in err and "absent" in err
+    assert "model.path" in err and "absent" in err and "does not exist" in err
     assert not (tmp_path / "quickstart").exists()
 
 

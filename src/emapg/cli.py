@@ -1,4 +1,4 @@
-"""Command line: emapg train | sft | report."""
+"""Command line: emapg train | eval | sft | report."""
 
 from __future__ import annotations
 
@@ -38,6 +38,20 @@ def _sft(args) -> None:
     print(f"warm start ready (cached under {cfg.warmstart.cache_dir})")
 
 
+def _eval(args) -> None:
+    from emapg.evaluation import EvalSettings, evaluate, table
+    from emapg.tasks.math import PROMPT
+
+    settings = EvalSettings(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, seed=args.seed, chat_template=not args.no_chat_template,
+        prompt=args.prompt or PROMPT,
+    )  # fmt: skip
+    results = evaluate(args.model, args.data, args.out, settings, dtype=args.dtype)
+    print(table(results), end="")
+    print(f"results: {Path(args.out) / 'results.json'}; responses: {Path(args.out) / 'responses.jsonl'}")
+
+
 def _report(args) -> None:
     from emapg.report import report
 
@@ -66,6 +80,27 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--config", help="YAML config file or shipped config name (default: quickstart)")
     sft.add_argument("overrides", nargs="*", metavar="key=value")
     sft.set_defaults(func=_sft)
+    ev = sub.add_parser(
+        "eval", help="math accuracy and pass@k of a model on problem files (n samples per problem)"
+    )
+    ev.add_argument("--model", required=True, help="local model directory (safetensors, with tokenizer)")
+    ev.add_argument(
+        "--data", required=True, nargs="+", metavar="FILE", help=".jsonl/.json/.parquet math problem files"
+    )
+    ev.add_argument("--n", type=int, default=16, help="samples per problem (default 16)")
+    ev.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)")
+    ev.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
+    ev.add_argument("--max-new-tokens", type=int, default=3072, help="response length limit (default 3072)")
+    ev.add_argument("--batch-size", type=int, default=64, help="sequences per generate call (default 64)")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: bfloat16 on a GPU, else float32")  # fmt: skip
+    ev.add_argument("--no-chat-template", action="store_true", help="plain prompts even if the model has one")
+    ev.add_argument(
+        "--prompt", help="prompt template with {question} (default: Qwen2.5-Math's \\boxed{} one)"
+    )
+    ev.add_argument("--out", default="runs/eval", help="directory for results.json and responses.jsonl")
+    ev.set_defaults(func=_eval)
     rep = sub.add_parser(
         "report", help="learning curves of runs on shared axes (seeds grouped) and a table of final figures"
     )

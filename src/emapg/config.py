@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,16 +42,29 @@ class WarmStartConfig:
     lr: float = _f(3e-3, "supervised learning rate")
     target_accuracy: float = _f(0.35, "stop SFT at this held-out sampled accuracy (0: run all steps)")
     cache_dir: str = _f("~/.cache/emapg", "where warm starts are cached")
+    model_kwargs: dict = _f({}, "build_tiny_model settings, e.g. {max_position_embeddings: 256}")
 
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arithmetic", "task: arithmetic")
+    name: str = _f("arithmetic", "task: arithmetic, math or search (settings in the retriever section)")
     seed: int = _f(1234, "seed of the generated data (independent of train.seed)")
     num_train: int = _f(4000, "training problems")
     num_eval: int = _f(200, "held-out problems for eval/accuracy")
     min_digits: int = _f(1, "arithmetic: fewest digits of an operand")
     max_digits: int = _f(2, "arithmetic: most digits of an operand")
+    train_files: list = _f(
+        [], "math: training data (.jsonl/.json/.parquet, schema told by its fields); empty: shipped samples"
+    )
+    eval_files: list = _f([], "math: held-out data for eval/accuracy (same formats); empty: shipped samples")
+    format_reward: float = _f(0.0, "math: reward of a wrong answer given in a closed \\boxed{} (0: none)")
+    prompt: str = _f(
+        "", "math: prompt template with {question}; empty: Qwen2.5-Math's step-by-step \\boxed{} one"
+    )
+    reward_timeout_s: float = _f(10.0, "time limit of one score call; past it the response gets reward 0")
+    reward_isolation: str = _f(
+        "auto", "auto (a worker process unless the task's scorer is declared safe), process or inline"
+    )
 
 
 @dataclass
@@ -110,11 +124,29 @@ class TrainConfig:
     eval_every: int = _f(10, "evaluate every this many steps (and at the start and end)")
     save_every: int = _f(20, "checkpoint every this many steps (and at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept; older ones are deleted")
+    max_bad_steps: int = _f(
+        5, "stop after this many optimiser steps in a row with a non-finite loss/gradient"
+    )
     threads: int = _f(0, "torch CPU threads; 0 leaves torch's default")
     device: str = _f("auto", "auto, cpu or cuda")
     tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
     wandb: bool = _f(False, "log to Weights & Biases (needs wandb)")
     progress: bool = _f(True, "show a progress bar")
+
+
+@dataclass
+class RetrieverConfig:
+    corpus: str = _f(
+        "", "search: jsonl corpus (id, contents = title line + text); empty: the built-in world's"
+    )
+    url: str = _f("", "search: a Search-R1 retrieval server (http://host:port/retrieve) instead of BM25")
+    topk: int = _f(3, "search: passages returned per query")
+    max_turns: int = _f(4, "search: most searches per episode (then one more turn to answer)")
+    format_reward: float = _f(0.0, "search: reward of a well-formed but wrong <answer>")
+    train_file: str = _f("", "search: Search-R1 parquet training data; empty: the built-in world")
+    eval_file: str = _f("", "search: Search-R1 parquet evaluation data (needed with train_file)")
+    world_people: int = _f(100, "built-in world: people (two questions each)")
+    world_cities: int = _f(10, "built-in world: cities")
 
 
 @dataclass
@@ -138,6 +170,7 @@ class Config:
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
 
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -160,7 +193,9 @@ def _coerce(where: str, value, typ):
     if typ is list and isinstance(value, tuple):
         return list(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise EmapgError(f"{where}: expected {typ.__name__}, got {value!r}")
+        raise EmapgError(f"{where}: expected {typ.__name__}, got {value!r:.80}")
+    if typ is float and not math.isfinite(value):  # YAML reads .nan and .inf as floats
+        raise EmapgError(f"{where}: expected a finite number, got {value}")
     return value
 
 
@@ -283,8 +318,35 @@ def validate(cfg: Config) -> None:
     )
     _check(cfg.eval.samples >= 1, "eval.samples must be >= 1")
     _check(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+    _check(cfg.train.max_bad_steps >= 1, "train.max_bad_steps must be >= 1")
+    _check(cfg.task.reward_timeout_s > 0, "task.reward_timeout_s must be > 0")
+    _check(
+        cfg.task.reward_isolation in ("auto", "process", "inline"),
+        f"task.reward_isolation: unknown {cfg.task.reward_isolation!r}; expected auto, process or inline",
+    )
+    r = cfg.retriever
+    _check(r.topk >= 1 and r.max_turns >= 1, "retriever.topk and retriever.max_turns must be >= 1")
+    _check(0 <= r.format_reward < 1, "retriever.format_reward must be in [0, 1)")
+    _check(
+        bool(r.train_file) == bool(r.eval_file), "retriever.train_file and retriever.eval_file go together"
+    )
+    _check(r.world_people >= 2 and r.world_cities >= 1, "retriever.world_people >= 2, world_cities >= 1")
+    _check(not r.train_file or bool(r.corpus or r.url), "retriever.train_file needs retriever.corpus or .url")
     _check(cfg.train.device in ("auto", "cpu", "cuda"), f"train.device: unknown {cfg.train.device!r}")
-    _check(cfg.task.name in ("arithmetic",), f"task.name: unknown {cfg.task.name!r}; available: arithmetic")
+    _check(
+        cfg.task.name in ("arithmetic", "math", "search"),
+        f"task.name: unknown {cfg.task.name!r}; available: arithmetic, math, search",
+    )
+    for key in ("train_files", "eval_files"):
+        for f in getattr(cfg.task, key):
+            _check(isinstance(f, str) and Path(f).expanduser().is_file(), f"task.{key}: {f!r} does not exist")
+    _check(0 <= cfg.task.format_reward < 1, "task.format_reward must be in [0, 1)")
+    _check(not cfg.task.prompt or "{question}" in cfg.task.prompt, "task.prompt must contain {question}")
+    path = cfg.model.path  # a path (not a hub name) must exist: catches the placeholder of math_qwen
+    _check(
+        not path.startswith(("/", ".", "~")) or Path(path).expanduser().exists(),
+        f"model.path {path!r} does not exist; set model.path=DIR to a local model directory",
+    )
 
 
 def to_dict(cfg: Config) -> dict:

@@ -29,13 +29,15 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 ALPHABET = string.digits + "+-*=()" + " " + string.ascii_lowercase + ".,:;?!'\"/\n"
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over `ALPHABET`; characters outside it become `<unk>`.
+def build_tiny_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over `ALPHABET` + `extra_chars` (appended, so the ids of
+    `ALPHABET` never move); other characters become `<unk>`.
 
     Encoding prepends `<bos>` (add_special_tokens=True, the default) and never appends `<eos>`:
     prompts are fed to `generate`, and the model must learn to emit `<eos>` itself.
     """
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
+    chars = list(ALPHABET) + [c for c in dict.fromkeys(extra_chars) if c not in ALPHABET]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # Split every character into its own piece, spaces and newlines included (nothing is dropped).
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

@@ -49,15 +49,21 @@ def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -
     """Right-padded `input_ids`, `attention_mask`, `labels` for prompt + answer + EOS.
 
     Labels are IGNORE_INDEX on prompt and padding positions: the loss is on the answer and the
-    EOS token only, so the model learns to answer and to stop, not to write prompts.
+    EOS token only, so the model learns to answer and to stop, not to write prompts. An example
+    with `meta["segments"]`, a list of (text, learn) pairs, has that as its response instead:
+    text the environment inserted (learn False, e.g. retrieved passages) is masked out too.
     """
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise EmapgError("sft: the tokenizer needs an eos_token and a pad_token")
     rows: list[tuple[list[int], list[int]]] = []
     for ex in examples:
         p = prompt_ids(tokenizer, ex.prompt)
-        a = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((p + a, [IGNORE_INDEX] * len(p) + a))
+        ids, labels = list(p), [IGNORE_INDEX] * len(p)
+        for text, learn in ex.meta.get("segments", [(ex.answer, True)]):
+            part = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += part
+            labels += part if learn else [IGNORE_INDEX] * len(part)
+        rows.append((ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
@@ -264,6 +270,7 @@ def warm_start(
     *,
     task: Task,
     model_kwargs: dict[str, Any] | None = None,
+    tokenizer_kwargs: dict[str, Any] | None = None,
     sft_kwargs: dict[str, Any] | None = None,
     target_accuracy: float | None = 0.35,
     num_val: int = 200,
@@ -290,7 +297,9 @@ def warm_start(
     resolved_sft = _with_defaults(
         sft, sft_kwargs, skip=("model", "tokenizer", "examples", "stop", "progress")
     )
-    examples = task.train_examples()
+    # A task whose responses are not plain answers (multi-turn search) supplies demonstrations.
+    examples = task.sft_examples() if hasattr(task, "sft_examples") else task.train_examples()
+    tokenizer_kwargs = {k: v for k, v in (tokenizer_kwargs or {}).items() if v}
     if target_accuracy is not None and len(examples) <= num_val:
         raise EmapgError(f"warm_start: num_val={num_val} needs more than {len(examples)} training examples")
     data_hash = hashlib.sha256()
@@ -302,6 +311,8 @@ def warm_start(
         "train_examples_sha256": data_hash.hexdigest(),
         "model_kwargs": resolved_model,
         "sft_kwargs": resolved_sft,
+        # Only when set, so the keys of existing caches stay valid.
+        **({"tokenizer_kwargs": tokenizer_kwargs} if tokenizer_kwargs else {}),
         "target_accuracy": target_accuracy,
         "num_val": num_val if target_accuracy is not None else 0,
     }
@@ -313,7 +324,7 @@ def warm_start(
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(**tokenizer_kwargs)
     model = build_tiny_model(tokenizer, **model_kwargs)
     val_history: list[tuple[int, float]] = []
     stop = None

@@ -25,9 +25,11 @@ from emapg.advantages import group_advantages
 from emapg.anchor import Anchor
 from emapg.config import Config, to_dict
 from emapg.errors import EmapgError
+from emapg.guards import step_is_finite
 from emapg.metrics import MetricsLog
 from emapg.models import load_model_and_tokenizer
 from emapg.policy_loss import aggregate, aggregation_total, ppo_clip
+from emapg.rewards import RewardScorer
 from emapg.rollout import Rollout, format_prompts
 from emapg.rollout.hf import generate
 from emapg.tasks.base import Example, Task
@@ -150,6 +152,7 @@ def update(
         for rows_mb in torch.randperm(len(batch.texts)).chunk(cfg.algo.minibatches):
             total = aggregation_total(batch.response_mask[rows_mb], cfg.algo.loss_aggregation)
             optimizer.zero_grad(set_to_none=True)
+            minibatch_loss = 0.0
             for rows in rows_mb.split(cfg.algo.micro_batch_size):
                 mask = batch.response_mask[rows]
                 ref_part = None if ref is None else AnchorView(*(t[rows] for t in vars(ref).values()))
@@ -157,13 +160,18 @@ def update(
                     cfg, model, _slice(batch, rows), advantages[rows], ref_part
                 )
                 loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
-                aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total).backward()
+                loss = aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total)
+                loss.backward()
+                minibatch_loss += float(loss.detach())
                 sums["loss/policy"] += float((pg.detach() * mask).sum())
                 sums["kl/value"] += 0.0 if kl_tok is None else float((kl_tok.detach() * mask).sum())
                 sums["clip_frac"] += float((clipped & mask).sum())
                 count += float(mask.sum())
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else math.inf
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            if not step_is_finite(state, minibatch_loss, grad_norm, cfg.train.max_bad_steps):
+                continue  # weights, optimiser moments, scheduler and anchor stay as they were
+            grad_norms.append(grad_norm)
             optimizer.step()
             scheduler.step()
             state["optimizer_steps"] += 1
@@ -172,7 +180,7 @@ def update(
                 anchor.step(model, state["optimizer_steps"])
                 ema_seconds += time.perf_counter() - t
     stats = {k: v / max(count, 1.0) for k, v in sums.items()}
-    stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
     return stats, ema_seconds
 
 
@@ -209,16 +217,27 @@ class PromptSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example]) -> float:
+def rollout_engine(task: Task):
+    """The task's own rollout function when it has one (multi-turn search), else HF generate."""
+    return getattr(task, "generate", generate)
+
+
+def task_metrics(task: Task, texts: list[str], examples: list[Example], prefix: str = "") -> dict:
+    """Figures a task reports beside the reward (e.g. search/calls_mean), when it has any."""
+    found = task.metrics(texts, examples) if hasattr(task, "metrics") else {}
+    return {prefix + k: v for k, v in found.items()}
+
+
+def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example]) -> tuple[float, dict]:
     """Held-out accuracy: mean reward over `eval.samples` responses per problem (pass@1), or
-    of one greedy response. Sampling draws from a private generator, so evaluating never
-    changes the training run's random stream."""
+    of one greedy response, and the task's eval/ metrics. Sampling draws from a private
+    generator, so evaluating never changes the training run's random stream."""
     n = 1 if cfg.eval.greedy else cfg.eval.samples
     examples = [e for e in examples for _ in range(n)]
     prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.train.seed + 1)
-        out = generate(
+        out = rollout_engine(task)(
             model,
             tokenizer,
             prompts,
@@ -230,7 +249,8 @@ def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example])
             batch_size=cfg.eval.batch_size,
             add_special_tokens=special,
         )
-    return sum(task.score(t, e) for t, e in zip(out.texts, examples, strict=True)) / len(examples)
+    accuracy = sum(task.score(t, e) for t, e in zip(out.texts, examples, strict=True)) / len(examples)
+    return accuracy, task_metrics(task, out.texts, examples, "eval/")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +261,14 @@ def make_task(cfg: Config) -> Task:
     from emapg.tasks.arithmetic import ArithmeticTask
 
     t = cfg.task
+    if t.name == "search":
+        from emapg.tasks import search
+
+        return search.from_config(cfg)
+    if t.name == "math":
+        from emapg.tasks import math as math_task  # not the stdlib math this module uses
+
+        return math_task.from_config(cfg)
     return ArithmeticTask(
         seed=t.seed,
         num_train=t.num_train,
@@ -262,6 +290,8 @@ def load_policy(cfg: Config, task: Task, progress: bool):
             Path(w.cache_dir).expanduser(),
             task=task,
             sft_kwargs=sft_kwargs,
+            model_kwargs=w.model_kwargs,
+            tokenizer_kwargs={"extra_chars": getattr(task, "tiny_extra_chars", "")},
             target_accuracy=w.target_accuracy or None,
             progress=progress,
         )
@@ -298,6 +328,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     train_examples, eval_examples = task.train_examples(), task.eval_examples()
     if not eval_examples:
         raise EmapgError(f"task {task.name!r} has no evaluation examples")
+    scorer = RewardScorer(task, timeout_s=cfg.task.reward_timeout_s, isolation=cfg.task.reward_isolation)
     device = _device(cfg)
     model, tokenizer = load_policy(cfg, task, show)
     model.to(device).train()
@@ -312,7 +343,13 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     warmup = max(cfg.optim.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     sampler = PromptSampler(train_examples, cfg.train.seed)
-    state = {"optimizer_steps": 0, "accuracy_before": None, "accuracy": None}
+    state = {
+        "optimizer_steps": 0,
+        "skipped_steps": 0,
+        "bad_in_row": 0,
+        "accuracy_before": None,
+        "accuracy": None,
+    }
     start = 0
     if last:
         saved = checkpoint.load(
@@ -345,8 +382,9 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         )  # fmt: skip
 
     if start == 0:
-        state["accuracy_before"] = state["accuracy"] = evaluate(cfg, model, tokenizer, task, eval_examples)
-        log.log({"step": 0, "eval/accuracy": state["accuracy"]})
+        state["accuracy_before"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples)
+        state["accuracy"] = state["accuracy_before"]
+        log.log({"step": 0, "eval/accuracy": state["accuracy"], **eval_metrics})
     bar = tqdm(
         range(start + 1, cfg.train.steps + 1),
         desc=cfg.train.name,
@@ -362,14 +400,15 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         ]
         prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
         reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and anchor is not None
-        batch = generate(
+        batch = rollout_engine(task)(
             model, tokenizer, prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, topk=min(cfg.kl.k, vocab) if reverse_topk else 0, stop=cfg.rollout.stop,
             batch_size=cfg.rollout.batch_size, add_special_tokens=special,
         )  # fmt: skip
         times["rollout"], t = time.perf_counter() - t, time.perf_counter()
 
-        rewards = torch.tensor([task.score(text, e) for text, e in zip(batch.texts, examples, strict=True)])
+        scored = scorer(batch.texts, examples)
+        rewards = torch.tensor(scored.rewards)
         advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage).to(device)
         times["scoring"], t = time.perf_counter() - t, time.perf_counter()
 
@@ -383,16 +422,21 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         record = {
             "step": step,
             "reward/mean": float(rewards.mean()),
+            "reward/errors": scored.errors,
+            "reward/timeouts": scored.timeouts,
+            "train/skipped_steps": state.get("skipped_steps", 0),  # absent in older checkpoints
             **stats,
             "entropy": float((batch.entropy * mask).sum() / mask.sum().clamp(min=1)),
             "response_length/mean": float(mask.sum(1).float().mean()),
+            **task_metrics(task, batch.texts, examples),
             "anchor/updates": anchor.updates if anchor else 0,
             "lr": scheduler.get_last_lr()[0],
             **{f"time/{k}_s": v for k, v in times.items()},
             "time/step_s": sum(times.values()),
         }
         if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-            state["accuracy"] = record["eval/accuracy"] = evaluate(cfg, model, tokenizer, task, eval_examples)
+            state["accuracy"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples)
+            record.update({"eval/accuracy": state["accuracy"], **eval_metrics})
         log.log(record)
         bar.set_postfix(
             reward=f"{record['reward/mean']:.3f}",
@@ -402,6 +446,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         if step % cfg.train.save_every == 0 or step == cfg.train.steps:
             save(step)
     log.close()
+    scorer.close()
     return {
         "run_dir": str(run_dir),
         "accuracy_before": state["accuracy_before"],

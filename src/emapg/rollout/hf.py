@@ -99,11 +99,37 @@ def generate(
 
     Pass prompts through `format_prompts` first, with the `add_special_tokens` it returns.
     """
-    device = next(model.parameters()).device
     enc = tokenizer(
         prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special_tokens
     )
-    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    return generate_from_ids(
+        model, tokenizer, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, greedy=greedy, topk=topk, stop=stop, batch_size=batch_size,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def generate_from_ids(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    topk: int = 0,
+    stop: list[str] = (),
+    batch_size: int = 256,
+) -> Rollout:
+    """`generate` for prompts already tokenized and left-padded ([N, P] ids and attention mask).
+
+    Multi-turn rollouts continue from token ids, so no decode/re-encode round trip can change
+    a token the policy sampled.
+    """
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     prompt_len = prompt_ids.shape[1]
     eos = _eos_ids(model, tokenizer)
     config = GenerationConfig(
@@ -118,7 +144,7 @@ def generate(
     was_training = model.training
     model.eval()
     parts = []
-    for a in range(0, len(prompts), batch_size):
+    for a in range(0, prompt_ids.shape[0], batch_size):
         ids, mask = prompt_ids[a : a + batch_size], prompt_mask[a : a + batch_size]
         recorder = _SamplingRecorder(temperature, topk)
         ends = _EndTracker(prompt_len, ids.shape[0], eos, tokenizer, list(stop), device)

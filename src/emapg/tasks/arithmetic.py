@@ -24,6 +24,7 @@ class ArithmeticTask:
     """
 
     name = "arithmetic"
+    score_is_safe = True  # exact_match is string matching that cannot raise or hang: scored in-process
 
     def __init__(
         self,

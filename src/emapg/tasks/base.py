@@ -19,7 +19,8 @@ class Task(Protocol):
     """What the trainer needs from a task.
 
     `score` must be a pure function of the response text and the example: it is called for
-    every sampled response, and its value in [0, 1] is the reward.
+    every sampled response, and its value in [0, 1] is the reward. It runs in a worker process
+    with a time limit (emapg.rewards) unless the task sets `score_is_safe = True`.
     """
 
     name: str

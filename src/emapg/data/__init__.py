@@ -1,0 +1,1 @@
+"""Data files shipped with emapg, and the scripts that make them."""

@@ -1,0 +1,199 @@
+"""Rewards that cannot crash, stall or poison a run.
+
+A task's `score` is user code. Whatever it does with one response (raise, return "abc", NaN
+or 7, loop forever in Python or in C), that response gets reward 0 and is counted
+(`errors`, `timeouts`), and the run goes on. Only a separate process can cut off a hang in C
+code (a signal alarm waits for the C call to return), so by default scoring runs in one
+persistent worker process fed a whole batch at a time; a call that overruns its limit kills
+the worker, and a fresh one scores the rest of the batch. A task whose scorer is trivially
+safe says so (`score_is_safe = True`, e.g. arithmetic's exact match) and is scored in-process,
+with the same checks on exceptions and values but no time limit and no overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import pickle
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from emapg.errors import EmapgError
+
+ISOLATION = ("auto", "process", "inline")
+STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter importing the task's module (and what it imports)
+
+log = logging.getLogger("emapg")
+
+
+@dataclass
+class Scored:
+    rewards: list[float]
+    errors: int = 0  # raised, or returned something other than a number in [0, 1]
+    timeouts: int = 0  # ran past the time limit
+
+
+def score_one(score, response: str, example) -> tuple[float, str | None]:
+    """(reward, None), or (0.0, what went wrong) when `score` raises or returns a bad value."""
+    try:
+        value = score(response, example)
+    except Exception as e:  # user code: any failure is that response's problem only
+        return 0.0, f"raised {type(e).__name__}: {e}"
+    if isinstance(value, numbers.Real) and math.isfinite(value) and 0.0 <= value <= 1.0:
+        return float(value), None
+    return 0.0, f"returned {value!r:.60}, expected a number in [0, 1]"
+
+
+def _worker(fd: int) -> None:
+    """The worker process: receive the parent's sys.path and the pickled `score`, then batches."""
+    conn = Connection(fd)
+    path, payload = conn.recv()
+    sys.path[:] = path
+    try:
+        score = pickle.loads(payload)
+    except Exception as e:
+        conn.send(f"cannot load the task: {type(e).__name__}: {e}")
+        return
+    conn.send("ready")
+    while True:
+        try:
+            batch = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
+        for response, example in batch:
+            conn.send(score_one(score, response, example))
+
+
+class _NotPicklable(Exception):
+    pass
+
+
+class RewardScorer:
+    """Scores batches of (response, example) with `task.score`, safely; see the module doc.
+
+    isolation: "auto" (a worker process unless the task declares `score_is_safe` or cannot be
+    pickled, which is logged), "process" (a task that cannot be pickled is an error) or "inline". `timeout_s` bounds each call in a worker. Use as a context
+    manager (or call `close`) to stop the worker.
+    """
+
+    def __init__(self, task, *, timeout_s: float, isolation: str = "auto"):
+        if isolation not in ISOLATION:
+            raise EmapgError(f"task.reward_isolation: unknown {isolation!r}; expected one of {ISOLATION}")
+        if not timeout_s > 0:
+            raise EmapgError(f"task.reward_timeout_s must be > 0; got {timeout_s}")
+        self.task, self.timeout_s = task, timeout_s
+        self.inline = isolation == "inline" or (isolation == "auto" and getattr(task, "score_is_safe", False))
+        self._process = self._conn = None
+        self._warned = False
+        if not self.inline:
+            try:
+                self._start()  # now, so a task that cannot run in a worker fails before any work
+            except _NotPicklable as e:
+                if isolation == "process":
+                    raise EmapgError(f"{e}; make it picklable or set task.reward_isolation=inline") from None
+                log.warning("%s: scoring in-process, without a time limit", e)
+                self.inline = True
+
+    def __call__(self, responses: list[str], examples: list) -> Scored:
+        items = list(zip(responses, examples, strict=True))
+        out = Scored([])
+        if self.inline:
+            for response, example in items:
+                self._record(out, *score_one(self.task.score, response, example))
+            return out
+        while items:
+            done = self._score_in_worker(items, out)
+            items = items[done:]
+        return out
+
+    def _score_in_worker(self, items: list, out: Scored) -> int:
+        """Score `items` in the worker until one overruns or kills it; returns how many are done."""
+        if self._process is None:
+            self._start()
+        self._conn.send(items)
+        for done in range(len(items)):
+            if not self._conn.poll(self.timeout_s):
+                out.rewards.append(0.0)
+                out.timeouts += 1
+                self._warn(f"took longer than task.reward_timeout_s={self.timeout_s} s")
+                self._stop()
+                return done + 1
+            try:
+                self._record(out, *self._conn.recv())
+            except EOFError:  # the score killed its process (os._exit, a crash in C code)
+                self._record(out, 0.0, "ended the worker process")
+                self._stop()
+                return done + 1
+        return len(items)
+
+    def _record(self, out: Scored, reward: float, problem: str | None) -> None:
+        out.rewards.append(reward)
+        if problem is not None:
+            out.errors += 1
+            self._warn(problem)
+
+    def _warn(self, problem: str) -> None:
+        if not self._warned:  # once per run: the counts in the metrics tell the rest
+            self._warned = True
+            log.warning(
+                "task %r: score %s on a response; it gets reward 0 (counted in reward/errors and "
+                "reward/timeouts; further problems are not logged)",
+                getattr(self.task, "name", type(self.task).__name__),
+                problem,
+            )
+
+    def _start(self) -> None:
+        # A fresh interpreter, not fork (forking a process with torch's threads running can
+        # deadlock the child) and not multiprocessing's spawn (it re-runs the user's main script).
+        try:
+            payload = pickle.dumps(self.task.score)
+        except Exception as e:
+            raise _NotPicklable(
+                f"task {type(self.task).__name__}: cannot be sent to a reward worker process "
+                f"({type(e).__name__}: {e})"
+            ) from None
+        ours, theirs = socket.socketpair()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "emapg.rewards", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send((sys.path, payload))
+        try:
+            reply = conn.recv() if conn.poll(STARTUP_TIMEOUT_S) else "no reply"
+        except EOFError:
+            reply = "it exited"
+        if reply != "ready":
+            process.kill()
+            process.wait()
+            raise EmapgError(
+                f"task {type(self.task).__name__}: the reward worker process did not start ({reply}); "
+                "define the task in an importable module, or set task.reward_isolation=inline"
+            )
+        self._process, self._conn = process, conn
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._conn.close()
+        self._process = self._conn = None
+
+    def close(self) -> None:
+        self._stop()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]))

@@ -1,0 +1,1 @@
+"""Agentic search: tag parsing and QA metrics, retrieval (BM25 / HTTP), the multi-turn rollout."""

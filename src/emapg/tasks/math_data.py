@@ -1,0 +1,145 @@
+"""Math problem files: `.jsonl`, `.json` (a list of records) and `.parquet`, schema told by the fields.
+
+| schema | fields | reference |
+|---|---|---|
+| GSM8K | question, answer | the number after "####" in answer |
+| MATH-500, DeepScaleR, AIME, AMC | problem, answer | answer |
+| MATH | problem, solution | the last \\boxed{} of solution |
+| OlympiadBench | question, final_answer | the list's entries, "$" removed, joined by ", " |
+
+The first record decides the schema; every record must then have its fields. A broken file
+stops with one line naming the file, the record (1-based) and the fields found.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from emapg.errors import EmapgError
+from emapg.tasks.math_grader import BOXED
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    reference: str
+    source: str  # the file's stem: the dataset's name in evaluation tables
+    index: int  # 0-based record number in the file
+
+
+def _gsm8k(record: dict) -> str:
+    answer = _text(record, "answer")
+    if "####" not in answer:
+        raise ValueError("answer has no '#### <number>' final line")
+    return answer.rpartition("####")[2].strip()
+
+
+def _math_solution(record: dict) -> str:
+    solution = _text(record, "solution")
+    if BOXED not in solution:
+        raise ValueError("solution has no \\boxed{} answer")
+    return solution  # the grader takes the last boxed answer of a reference that has one
+
+
+def _olympiad(record: dict) -> str:
+    answers = record["final_answer"]
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+        raise ValueError(f"final_answer must be a non-empty list of strings, got {answers!r:.60}")
+    return ", ".join(a.strip().strip("$").strip() for a in answers)
+
+
+# (question field, answer field, schema name, reference of a record); checked in this order.
+SCHEMAS = [
+    ("question", "final_answer", "OlympiadBench", _olympiad),
+    ("question", "answer", "GSM8K", _gsm8k),
+    ("problem", "answer", "MATH-500/DeepScaleR/AIME/AMC", lambda r: _text(r, "answer")),
+    ("problem", "solution", "MATH", _math_solution),
+]
+EXPECTED = "; ".join(f"{q}+{a} ({name})" for q, a, name, _ in SCHEMAS)
+
+
+def _text(record: dict, key: str) -> str:
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{key} must be text or a number, got {type(value).__name__}")
+    return str(value).strip()
+
+
+def load_problems(path: str | Path) -> list[Problem]:
+    """The problems of one file, in file order."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise EmapgError(f"math data {str(path)!r}: no such file")
+    records = _read_records(file)
+    if not records:
+        raise EmapgError(f"math data {file}: no records")
+    schema = _detect(file, records[0])
+    question_key, _, name, reference = schema
+    problems = []
+    for i, record in enumerate(records):
+        where = f"math data {file}: record {i + 1}"
+        if not isinstance(record, dict):
+            raise EmapgError(f"{where}: expected an object, got {type(record).__name__}")
+        missing = [k for k in schema[:2] if k not in record]
+        if missing:
+            raise EmapgError(
+                f"{where}: missing field {missing[0]!r} of the {name} schema (fields found: {_fields(record)})"
+            )
+        try:
+            question, answer = _text(record, question_key), reference(record)
+            if not question or not answer:
+                raise ValueError(f"empty {question_key if not question else 'answer'}")
+            problems.append(Problem(question, answer, file.stem, i))
+        except ValueError as e:
+            raise EmapgError(f"{where}: {e} (fields found: {_fields(record)})") from None
+    return problems
+
+
+def _detect(file: Path, first) -> tuple:
+    if isinstance(first, dict):
+        for schema in SCHEMAS:
+            if schema[0] in first and schema[1] in first:
+                return schema
+        found = _fields(first)
+    else:
+        found = f"none (a {type(first).__name__})"
+    raise EmapgError(
+        f"math data {file}: record 1: no known schema (fields found: {found}; expected {EXPECTED})"
+    )
+
+
+def _fields(record: dict) -> str:
+    return ", ".join(map(str, record)) or "none"
+
+
+def _read_records(file: Path) -> list:
+    suffix = file.suffix.lower()
+    if suffix == ".jsonl":
+        records = []
+        for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise EmapgError(f"math data {file}: line {n}: not valid JSON ({e.msg})") from None
+        return records
+    if suffix == ".json":
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise EmapgError(f"math data {file}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        if not isinstance(data, list):
+            raise EmapgError(f"math data {file}: expected a JSON list of records, got {type(data).__name__}")
+        return data
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(file).to_pylist()
+        except Exception as e:  # pyarrow's errors name no common base class
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EmapgError(f"math data {file}: not a readable parquet file ({detail})") from None
+    raise EmapgError(f"math data {file}: unknown file type {suffix!r}; expected .jsonl, .json or .parquet")

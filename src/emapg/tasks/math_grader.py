@@ -1,0 +1,172 @@
+"""Grading of math answers: the last `\\boxed{}` of a response against a reference, by math-verify.
+
+math-verify (with latex2sympy2-extended) parses both sides into SymPy and decides equivalence
+(fractions vs decimals, `\\dfrac`, thousands separators, percentages, units, intervals, ...).
+Being SymPy, it can be made to compute without end: `2^{10^{100}}` asks for a number with
+10^100 digits, a C-level big-integer computation that no signal can interrupt. So `score`
+never hands math-verify anything it cannot finish quickly:
+
+1. size: only the text from the last `\\boxed` on, at most MAX_ANSWER_CHARS, is parsed
+   (the last boxed answer counts); a reference is at most as long. Brace nesting deeper than
+   MAX_BRACE_DEPTH is refused (the LaTeX parser's time grows steeply with depth).
+2. magnitude: parsing does not evaluate (`2^{10^{100}}` stays a Pow tree), so before the
+   comparison, which does evaluate, both trees are checked: a number, power or factorial
+   whose value would have more than MAX_DIGITS digits is refused.
+3. time: math-verify's own per-parse and per-comparison limits (signal based, so only in the
+   main thread; elsewhere steps 1-2 are the guard). Training also runs `score` in a worker
+   process with a hard time limit (emapg.rewards), since MathTask does not claim to be safe.
+
+Refused or failing inputs score 0, except a boxed answer written exactly as the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+
+import sympy
+from math_verify import LatexExtractionConfig, parse, verify
+
+BOXED = "\\boxed"
+MAX_ANSWER_CHARS = 1000  # from "\boxed" on; real answers are far shorter
+MAX_BRACE_DEPTH = 20
+MAX_DIGITS = 10_000  # of any number the comparison may compute
+TIME_LIMIT_S = 1  # per parse and per comparison (math-verify takes whole seconds)
+
+_EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0)]
+# math-verify logs every parse failure and timeout; a policy produces thousands of those.
+logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+
+
+def score(response: str, reference: str) -> float:
+    """1.0 when the last `\\boxed{}` answer of `response` equals `reference`, else 0.0.
+
+    `reference` is the answer itself ("\\frac{1}{2}", "18", "[1, 2)"), or a text whose last
+    boxed answer is the reference (a MATH solution). Never raises; see the module doc for why
+    it always returns quickly.
+    """
+    if not isinstance(response, str) or not isinstance(reference, str):
+        return 0.0
+    answer = last_boxed(response)
+    gold_text = last_boxed(reference) if BOXED in reference else f"{BOXED}{{{reference.strip()}}}"
+    if answer is None or gold_text is None:
+        return 0.0
+    written = _content(answer)
+    if written is not None and written == _content(gold_text):  # the one way a refused answer scores
+        return 1.0
+    if not (_small_text(answer) and _small_text(gold_text)):
+        return 0.0
+    gold = _parse(gold_text)
+    pred = _parse(answer)
+    if not gold or not pred or not all(map(_small_value, gold + pred)):
+        return 0.0
+    try:
+        return 1.0 if verify(gold, pred, timeout_seconds=_time_limit()) else 0.0
+    except Exception:  # math-verify swallows its own errors; this is for what it cannot
+        return 0.0
+
+
+def last_boxed(text: str) -> str | None:
+    """The text from the last `\\boxed` on, at most MAX_ANSWER_CHARS; None without one."""
+    start = text.rfind(BOXED)
+    return None if start < 0 else text[start : start + MAX_ANSWER_CHARS]
+
+
+def has_boxed_answer(response: str) -> bool:
+    """Whether the response ends its work with a `\\boxed{...}` that closes (format reward)."""
+    answer = last_boxed(response) if isinstance(response, str) else None
+    return answer is not None and _content(answer) is not None
+
+
+def _content(boxed: str) -> str | None:
+    """What `\\boxed{...}` holds, whitespace removed; None when its braces never close."""
+    if not boxed.startswith(BOXED + "{"):
+        return None
+    depth = 0
+    for i, c in enumerate(boxed):
+        depth += (c == "{") - (c == "}")
+        if depth == 0 and c == "}":
+            return "".join(boxed[len(BOXED) + 1 : i].split())
+    return None
+
+
+def _small_text(text: str) -> bool:
+    depth = deepest = 0
+    for c in text:
+        depth += (c == "{") - (c == "}")
+        deepest = max(deepest, depth)
+    return deepest <= MAX_BRACE_DEPTH
+
+
+@functools.lru_cache(maxsize=4096)  # a reference is parsed once per group, not once per response
+def _parse_cached(text: str, time_limit: int | None) -> tuple:
+    return tuple(parse(text, _EXTRACTION, parsing_timeout=time_limit))
+
+
+def _parse(text: str) -> list:
+    try:
+        return list(_parse_cached(text, _time_limit()))
+    except Exception:
+        return []
+
+
+def _time_limit() -> int | None:
+    # signal.alarm, which math-verify uses, only works in the main thread.
+    return TIME_LIMIT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _small_value(expr) -> bool:
+    """Whether evaluating `expr` (a parsed answer: SymPy or a fallback string) stays small."""
+    if not isinstance(expr, sympy.Basic):
+        return isinstance(expr, str) or _small_matrix(expr)
+    try:
+        return _digits(expr) <= MAX_DIGITS
+    except Exception:  # RecursionError on a deep tree, or a node _digits cannot size
+        return False
+
+
+def _small_matrix(expr) -> bool:
+    return isinstance(expr, sympy.MatrixBase) and all(_small_value(e) for e in expr)
+
+
+def _digits(expr: sympy.Basic) -> float:
+    """An upper bound on the decimal digits of any number that evaluating `expr` computes.
+
+    Symbols and other non-numbers count as 1 digit: what matters is the numbers they meet.
+    """
+    if isinstance(expr, sympy.Integer):
+        return expr.p.bit_length() * math.log10(2) + 1
+    if isinstance(expr, sympy.Rational):
+        return max(_digits(sympy.Integer(expr.p)), _digits(sympy.Integer(expr.q)))
+    if isinstance(expr, sympy.Float):
+        return 16.0
+    if isinstance(expr, sympy.Pow | sympy.exp):
+        base, exponent = expr.as_base_exp()
+        return _power_digits(_digits(base), exponent)
+    if isinstance(expr, sympy.factorial | sympy.gamma | sympy.binomial):
+        n = expr.args[0]
+        size = _digits(n)
+        if size > 5:  # n! for n >= 10^5 has more than 450000 digits
+            return math.inf
+        value = abs(float(n)) if n.is_number else 1.0
+        return max(size, value * math.log10(max(value, 2.0)) + 1)
+    children = [_digits(a) for a in expr.args]
+    if isinstance(expr, sympy.Mul):
+        return sum(children)
+    return max(children, default=1.0) + 1
+
+
+def _power_digits(base_digits: float, exponent: sympy.Basic) -> float:
+    """Digits of base**exponent from the base's digits: the exponent's value is what matters."""
+    size = _digits(exponent)
+    if size > 6:  # an exponent of 10^6 or more: even 2**exponent is too big
+        return math.inf
+    if not exponent.is_number:
+        return max(base_digits, size)
+    try:
+        value = abs(complex(exponent.evalf(15)))  # the exponent is small: evaluating it is cheap
+    except (TypeError, ValueError, OverflowError):
+        return math.inf
+    return max(base_digits, size, base_digits * value + 1)

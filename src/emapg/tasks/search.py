@@ -1,0 +1,167 @@
+"""Question answering with a search engine (Search-R1): the built-in world or Search-R1 parquet data.
+
+The policy's response is a multi-turn episode (emapg.search.rollout); the reward is exact match
+of its final `<answer>` with any gold answer after SQuAD normalisation, optionally
+`format_reward` for a well-formed but wrong answer.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from pathlib import Path
+
+from emapg.errors import EmapgError
+from emapg.search import world as synthetic
+from emapg.search.answers import ANSWER, INFORMATION, exact_match, f1, last_tag
+from emapg.search.retriever import Retriever
+from emapg.search.rollout import information_block, search_rollout
+from emapg.tasks.base import Example
+
+# Search-R1's instruction, in our words, for pretrained models on real data.
+INSTRUCTION = (
+    "Answer the question. Think step by step inside <think> and </think>. When you need facts, "
+    "search with <search> query </search> and the results come back between <information> and "
+    "</information>; search as often as you need. When you know the answer, give it without "
+    "explanation as <answer> answer </answer>, e.g. <answer> Beijing </answer>. Question: "
+)
+
+
+def final_answer(response: str) -> str | None:
+    """The last `<answer>` the model wrote: text inside inserted information never counts."""
+    return last_tag(response.rpartition(INFORMATION[1])[2], ANSWER)
+
+
+def _example(row: dict, prompt: str) -> Example:
+    golds = [str(g) for g in row["golden_answers"]]
+    meta = {"golden_answers": golds, "data_source": str(row.get("data_source") or "unknown")}
+    meta.update({k: row[k] for k in ("hops", "person") if k in row})
+    return Example(prompt, golds[0] if golds else "", meta)
+
+
+def load_parquet(path: str) -> list[dict]:
+    """Rows of a Search-R1 parquet file: `question`, `golden_answers` (a list), `data_source`."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise EmapgError("reading parquet data needs pyarrow: pip install 'emapg[search]'") from None
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise EmapgError(f"search data {path!r}: no such file")
+    table = pq.read_table(file)
+    missing = {"question", "golden_answers"} - set(table.column_names)
+    if missing:
+        raise EmapgError(f"search data {path!r}: missing columns {sorted(missing)}")
+    rows = table.to_pylist()
+    for n, row in enumerate(rows):
+        golds = row["golden_answers"]
+        if isinstance(golds, str):
+            row["golden_answers"] = [golds]
+        elif not golds:
+            raise EmapgError(f"search data {path!r}: row {n} has no golden_answers")
+    return rows
+
+
+class SearchTask:
+    name = "search"
+    score_is_safe = True  # string matching: no worker process needed
+    tiny_extra_chars = "<>"  # the tags need them in the built-in character tokenizer
+
+    def __init__(
+        self,
+        retriever: Retriever,
+        train: list[dict],
+        eval: list[dict],
+        *,
+        topk: int = 3,
+        max_turns: int = 4,
+        format_reward: float = 0.0,
+        instruction: str = "",
+        world: dict | None = None,
+    ):
+        if topk < 1 or max_turns < 1 or not 0 <= format_reward < 1:
+            raise EmapgError("search task: expected topk >= 1, max_turns >= 1 and 0 <= format_reward < 1")
+        self.retriever, self.topk, self.max_turns = retriever, topk, max_turns
+        self.format_reward, self.world = format_reward, world
+        self._train = [_example(r, f"{instruction}{r['question']}\n") for r in train]
+        self._eval = [_example(r, f"{instruction}{r['question']}\n") for r in eval]
+
+    def train_examples(self) -> list[Example]:
+        return list(self._train)
+
+    def eval_examples(self) -> list[Example]:
+        return list(self._eval)
+
+    def score(self, response: str, example: Example) -> float:
+        answer = final_answer(response)
+        if exact_match(answer, example.meta["golden_answers"]):
+            return 1.0
+        return self.format_reward if answer is not None else 0.0
+
+    def metrics(self, responses: list[str], examples: list[Example]) -> dict[str, float]:
+        """Mean F1, searches per episode (also by hop count when known), exact match per source."""
+        groups: dict[str, list[float]] = defaultdict(list)
+        for text, ex in zip(responses, examples, strict=True):
+            answer, golds = final_answer(text), ex.meta["golden_answers"]
+            searches = float(text.count(INFORMATION[0]))
+            groups["search/f1"].append(f1(answer, golds))
+            groups["search/calls_mean"].append(searches)
+            groups[f"search/em/{ex.meta['data_source']}"].append(exact_match(answer, golds))
+            if "hops" in ex.meta:
+                groups[f"search/calls_mean/{ex.meta['hops']}hop"].append(searches)
+        return {k: sum(v) / len(v) for k, v in groups.items()}
+
+    def generate(self, model, tokenizer, prompts, **kwargs):
+        """The rollout engine of this task: multi-turn search episodes (same arguments as
+        emapg.rollout.hf.generate)."""
+        return search_rollout(
+            model,
+            tokenizer,
+            prompts,
+            self.retriever,
+            docs_per_search=self.topk,
+            max_turns=self.max_turns,
+            **kwargs,
+        )
+
+    def sft_examples(self) -> list[Example]:
+        """Demonstration episodes for the warm start (built-in world only); inserted information is
+        marked as not written by the model, so SFT does not learn it."""
+        if self.world is None:
+            raise EmapgError("search task: SFT demonstrations exist only for the built-in world")
+
+        def information(query: str) -> str:
+            return information_block(self.retriever.retrieve([query], self.topk)[0])
+
+        out = []
+        for ex in self._train:
+            segments = synthetic.demonstration(self.world, ex.meta["person"], ex.meta["hops"], information)
+            out.append(Example(ex.prompt, "".join(t for t, _ in segments), {**ex.meta, "segments": segments}))
+        return out
+
+
+def from_config(cfg) -> SearchTask:
+    """The search task of a Config: parquet data with the given corpus/server, or the built-in world."""
+    from emapg.search.retriever import make_retriever
+
+    r, t = cfg.retriever, cfg.task
+    if r.train_file:
+        train, eval = load_parquet(r.train_file), load_parquet(r.eval_file)
+        return SearchTask(
+            make_retriever(r.corpus, r.url), train[: t.num_train], eval[: t.num_eval], topk=r.topk,
+            max_turns=r.max_turns, format_reward=r.format_reward, instruction=INSTRUCTION,
+        )  # fmt: skip
+    world = synthetic.build_world(t.seed, r.world_people, r.world_cities)
+    rows = synthetic.questions(world)
+    random.Random(f"search-split-{t.seed}").shuffle(rows)
+    if t.num_eval >= len(rows):
+        raise EmapgError(f"task.num_eval={t.num_eval}: the built-in world has only {len(rows)} questions")
+    where = (
+        Path(cfg.warmstart.cache_dir).expanduser()
+        / f"search-world-{t.seed}-{r.world_people}-{r.world_cities}"
+    )
+    corpus = synthetic.write_corpus(world, where / "corpus.jsonl")
+    return SearchTask(
+        make_retriever(str(corpus), r.url), rows[t.num_eval :][: t.num_train], rows[: t.num_eval],
+        topk=r.topk, max_turns=r.max_turns, format_reward=r.format_reward, world=world,
+    )  # fmt: skip

@@ -1,0 +1,140 @@
+"""emapg.tasks.math.score: hand-written equivalence cases, and inputs built to hang or crash it."""
+
+import random
+import string
+import threading
+import time
+
+import pytest
+
+from emapg.tasks.math import score
+from emapg.tasks.math_grader import MAX_ANSWER_CHARS, has_boxed_answer
+
+# (response, reference, expected score), each written and judged by hand.
+CASES = [
+    # fractions, decimals, \dfrac
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", 1.0),
+    ("\\boxed{1.5}", "\\frac{3}{2}", 1.0),
+    ("\\boxed{\\frac{-2}{3}}", "-\\frac{2}{3}", 1.0),
+    ("\\boxed{-\\frac{2}{3}}", "-2/3", 1.0),
+    ("\\boxed{\\frac{1}{3}}", "0.3333333", 1.0),  # equal to 6 decimals
+    ("\\boxed{\\frac{1}{3}}", "0.333", 0.0),
+    ("\\boxed{\\frac{2}{3}}", "\\frac{3}{2}", 0.0),
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),
+    # thousands separators
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{1000}", "1,000", 1.0),
+    ("\\boxed{1{,}000}", "1000", 1.0),
+    ("\\boxed{12,345,678}", "12345678", 1.0),
+    # percentages
+    ("\\boxed{50\\%}", "50", 1.0),
+    ("\\boxed{50}", "50\\%", 1.0),
+    ("\\boxed{0.5}", "50\\%", 1.0),
+    # units and text around the number
+    ("The answer is \\boxed{18}.", "18", 1.0),
+    ("\\boxed{18 \\text{ dollars}}", "18", 1.0),
+    ("\\boxed{\\$18}", "18", 1.0),
+    ("\\boxed{18\\text{ cm}^2}", "18", 1.0),
+    ("\\boxed{5 apples}", "5", 1.0),
+    ("\\boxed{x=5}", "5", 1.0),
+    # negative numbers
+    ("\\boxed{-3}", "-3", 1.0),
+    ("\\boxed{3}", "-3", 0.0),
+    ("\\boxed{-3}", "3", 0.0),
+    # intervals and sets
+    ("\\boxed{[1,2)}", "[1,2)", 1.0),
+    ("\\boxed{(1,2]}", "[1,2)", 0.0),
+    ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),
+    ("\\boxed{1, 2}", "2, 1", 1.0),
+    # several boxed answers: the last one counts
+    ("\\boxed{1} so \\boxed{3}", "3", 1.0),
+    ("\\boxed{3} so \\boxed{1}", "3", 0.0),
+    # nested braces, and a reference given as a boxed solution (the MATH schema)
+    ("\\boxed{\\boxed{5}}", "5", 1.0),
+    ("\\boxed{5}", "We add them: \\boxed{5}.", 1.0),
+    ("\\boxed{\\frac{\\frac{1}{2}}{2}}", "\\frac{1}{4}", 1.0),
+    # algebraic equivalence, constants, letters
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    ("\\boxed{2\\pi}", "2 \\pi", 1.0),
+    ("\\boxed{3.14}", "\\pi", 0.0),
+    ("\\boxed{\\text{(A)}}", "A", 1.0),
+    # no answer
+    ("The answer is 5.", "5", 0.0),
+    ("", "5", 0.0),
+    ("\\boxed{}", "5", 0.0),
+    ("\\boxed{5", "5", 0.0),
+]
+
+
+@pytest.mark.parametrize("response,reference,expected", CASES)
+def test_equivalence_cases(response, reference, expected):
+    assert score(response, reference) == expected
+
+
+def _garbage(n: int) -> str:
+    return "".join(random.Random(0).choice(string.printable) for _ in range(n))
+
+
+# Inputs that make an unguarded SymPy compute for hours or recurse without end.
+ADVERSARIAL = [
+    ("\\boxed{2^{10^{100}}}", "2", 0.0),  # 10^100-digit number
+    ("\\boxed{2^{10^{100}}}", "2^{10^{100}}", 1.0),  # written exactly as the reference
+    ("\\boxed{9^{9^{9}}}", "1", 0.0),
+    ("\\boxed{999999^{999999}}", "1", 0.0),
+    ("\\boxed{(10^{7})!}", "5", 0.0),
+    ("\\boxed{\\binom{10^{9}}{10^{8}}}", "3", 0.0),
+    ("\\boxed{10^{-10^{10}}}", "0", 0.0),
+    ("\\boxed{e^{e^{e^{100}}}}", "1", 0.0),
+    ("\\boxed{5}", "2^{10^{100}}", 0.0),  # an absurd reference is refused as well
+    ("\\boxed{" + "{" * 3000 + "5" + "}" * 3000 + "}", "5", 0.0),  # deeply nested braces
+    ("{" * 5000 + " so \\boxed{5}", "5", 1.0),  # garbage before a good answer
+    ("\\boxed{" * 20000, "5", 0.0),
+    (_garbage(100_000), "5", 0.0),  # 100 kB of garbage
+    (_garbage(100_000) + "\\boxed{5}", "5", 1.0),
+    ("\\boxed{5" + "x" * 100_000, "5", 0.0),
+    ("x" * 100_000, "5", 0.0),
+]
+
+
+@pytest.mark.parametrize("response,reference,expected", ADVERSARIAL, ids=lambda v: repr(v)[:30])
+def test_adversarial_inputs_are_graded_within_a_second(response, reference, expected):
+    start = time.perf_counter()
+    assert score(response, reference) == expected
+    assert time.perf_counter() - start < 1.0
+
+
+def test_safe_off_the_main_thread():
+    """math-verify's signal timeouts only work in the main thread: the guards must hold anyway."""
+    results = []
+
+    def work():
+        results.extend(
+            score(r, g) for r, g in [("\\boxed{0.5}", "\\frac{1}{2}"), ("\\boxed{2^{10^{100}}}", "2")]
+        )
+
+    start = time.perf_counter()
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=5)
+    assert results == [1.0, 0.0]
+    assert time.perf_counter() - start < 2.0
+
+
+def test_bad_types_score_zero():
+    assert score(None, "5") == 0.0
+    assert score("\\boxed{5}", None) == 0.0
+
+
+def test_only_the_tail_of_the_last_boxed_is_read():
+    # The answer region ends MAX_ANSWER_CHARS after "\boxed": a longer answer never closes.
+    assert score("\\boxed{" + "1" * (MAX_ANSWER_CHARS - 9) + "}", "1" * (MAX_ANSWER_CHARS - 9)) == 1.0
+    assert score("\\boxed{" + " " * MAX_ANSWER_CHARS + "5}", "5") == 0.0
+
+
+def test_has_boxed_answer():
+    assert has_boxed_answer("so \\boxed{7}.")
+    assert has_boxed_answer("\\boxed{}")
+    assert not has_boxed_answer("\\boxed{7")
+    assert not has_boxed_answer("7")

@@ -1,0 +1,99 @@
+"""Hostile rewards: raising, non-numbers, out of range, hanging in Python or C, killing the worker."""
+
+import logging
+import os
+import time
+
+import pytest
+
+from emapg.errors import EmapgError
+from emapg.rewards import RewardScorer, score_one
+from emapg.tasks.arithmetic import ArithmeticTask
+from emapg.tasks.base import Example
+
+
+class HostileTask:
+    """Scores "ok" 1 and anything unknown 0; the other responses each misbehave in one way."""
+
+    name = "hostile"
+
+    def score(self, response, example):
+        if response == "raise":
+            raise ValueError("bad response")
+        if response == "abc":
+            return "abc"
+        if response == "nan":
+            return float("nan")
+        if response == "big":
+            return 7
+        if response == "sleep":
+            time.sleep(10)
+        if response == "spin-in-c":
+            import re
+
+            re.match(r"(a+)+$", "a" * 40 + "b")  # catastrophic backtracking inside C code
+        if response == "exit":
+            os._exit(3)
+        return 1.0 if response == "ok" else 0.5
+
+
+EX = Example("1+1=", "2")
+
+
+def test_score_one_checks_value_and_exceptions():
+    task = HostileTask()
+    assert score_one(task.score, "ok", EX) == (1.0, None)
+    assert score_one(task.score, "x", EX) == (0.5, None)
+    assert score_one(task.score, "raise", EX) == (0.0, "raised ValueError: bad response")
+    assert score_one(task.score, "abc", EX) == (0.0, "returned 'abc', expected a number in [0, 1]")
+    assert score_one(task.score, "nan", EX)[0] == 0.0 and "nan" in score_one(task.score, "nan", EX)[1]
+    assert score_one(task.score, "big", EX) == (0.0, "returned 7, expected a number in [0, 1]")
+
+
+def test_inline_scoring_counts_errors_and_warns_once(caplog):
+    scorer = RewardScorer(HostileTask(), timeout_s=1.0, isolation="inline")
+    with caplog.at_level(logging.WARNING, logger="emapg"):
+        out = scorer(["ok", "raise", "abc", "x", "nan", "big"], [EX] * 6)
+    assert out.rewards == [1.0, 0.0, 0.0, 0.5, 0.0, 0.0]
+    assert (out.errors, out.timeouts) == (4, 0)
+    assert len(caplog.records) == 1 and "raised ValueError: bad response" in caplog.text
+
+
+def test_worker_cuts_off_hangs_in_python_and_c_and_survives_its_own_death():
+    responses = ["ok", "sleep", "raise", "x", "spin-in-c", "ok", "exit", "abc", "ok"]
+    with RewardScorer(HostileTask(), timeout_s=0.5) as scorer:
+        assert not scorer.inline
+        t = time.perf_counter()
+        out = scorer(responses, [EX] * len(responses))
+        elapsed = time.perf_counter() - t
+        assert out.rewards == [1.0, 0.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0, 1.0]
+        assert (out.errors, out.timeouts) == (3, 2)  # raise, exit, abc; sleep, spin-in-c
+        # Two 0.5 s limits plus three worker restarts, far from the 10 s sleep and the C spin.
+        assert elapsed < 6.0, elapsed
+        again = scorer(["ok", "x"], [EX, EX])  # the restarted worker keeps serving
+        assert again.rewards == [1.0, 0.5] and again.errors == again.timeouts == 0
+
+
+def test_safe_task_is_scored_inline_unless_isolation_is_forced():
+    task = ArithmeticTask(num_train=4, num_eval=4)
+    assert RewardScorer(task, timeout_s=1.0).inline
+    ex = task.eval_examples()[0]
+    with RewardScorer(task, timeout_s=1.0, isolation="process") as scorer:
+        assert not scorer.inline
+        out = scorer([ex.answer, ex.answer + "1", f" {ex.answer}<eos>"], [ex] * 3)
+    assert out.rewards == [1.0, 0.0, 1.0] and out.errors == 0
+
+
+class Unpicklable(HostileTask):
+    def __init__(self):
+        self.handle = lambda: None  # lambdas do not pickle
+
+
+def test_task_that_cannot_go_to_a_worker_is_scored_inline_or_refused(caplog):
+    with caplog.at_level(logging.WARNING, logger="emapg"):
+        scorer = RewardScorer(Unpicklable(), timeout_s=1.0)
+    assert scorer.inline and "scoring in-process, without a time limit" in caplog.text
+    assert scorer(["ok", "raise"], [EX, EX]).rewards == [1.0, 0.0]
+    with pytest.raises(EmapgError, match="cannot be sent to a reward worker process") as err:
+        RewardScorer(Unpicklable(), timeout_s=1.0, isolation="process")
+    assert "task.reward_isolation=inline" in str(err.value) and "\n" not in str(err.value)

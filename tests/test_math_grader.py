@@ -87,6 +87,9 @@ ADVERSARIAL = [
     ("\\boxed{\\binom{10^{9}}{10^{8}}}", "3", 0.0),
     ("\\boxed{10^{-10^{10}}}", "0", 0.0),
     ("\\boxed{e^{e^{e^{100}}}}", "1", 0.0),
+    ("\\boxed{\\sum_{i=1}^{10^{9}} i!}", "5", 0.0),  # a billion terms
+    ("\\boxed{\\prod_{i=1}^{10^{7}} i}", "5", 0.0),
+    ("\\boxed{\\sum_{i=1}^{100} i}", "5050", 1.0),  # a short sum is still graded
     ("\\boxed{5}", "2^{10^{100}}", 0.0),  # an absurd reference is refused as well
     ("\\boxed{" + "{" * 3000 + "5" + "}" * 3000 + "}", "5", 0.0),  # deeply nested braces
     ("{" * 5000 + " so \\boxed{5}", "5", 1.0),  # garbage before a good answer
@@ -111,14 +114,19 @@ def test_safe_off_the_main_thread():
 
     def work():
         results.extend(
-            score(r, g) for r, g in [("\\boxed{0.5}", "\\frac{1}{2}"), ("\\boxed{2^{10^{100}}}", "2")]
+            score(r, g)
+            for r, g in [
+                ("\\boxed{0.5}", "\\frac{1}{2}"),
+                ("\\boxed{2^{10^{100}}}", "2"),
+                ("\\boxed{\\sum_{i=1}^{10^{9}} i!}", "5"),
+            ]
         )
 
     start = time.perf_counter()
-    thread = threading.Thread(target=work)
+    thread = threading.Thread(target=work, daemon=True)  # a hang must not block pytest's exit
     thread.start()
     thread.join(timeout=5)
-    assert results == [1.0, 0.0]
+    assert results == [1.0, 0.0, 0.0]
     assert time.perf_counter() - start < 2.0
 
 

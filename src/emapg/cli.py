@@ -10,7 +10,7 @@ from emapg.errors import EmapgError
 
 TRAIN_EPILOG = """\
 overrides are dotted config fields, e.g. `kl.k=16 anchor.eta=0.95 train.steps=100`.
-Shipped configs: quickstart (the default), grpo, ema_pg. Every field:
+Shipped configs: quickstart (the default), grpo, ema_pg, math_tiny, math_qwen, search_tiny. Every field:
 
 """
 

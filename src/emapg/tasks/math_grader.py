@@ -11,7 +11,8 @@ never hands math-verify anything it cannot finish quickly:
    MAX_BRACE_DEPTH is refused (the LaTeX parser's time grows steeply with depth).
 2. magnitude: parsing does not evaluate (`2^{10^{100}}` stays a Pow tree), so before the
    comparison, which does evaluate, both trees are checked: a number, power or factorial
-   whose value would have more than MAX_DIGITS digits is refused.
+   whose value would have more than MAX_DIGITS digits is refused, and so is a sum or product
+   of more than MAX_TERMS terms.
 3. time: math-verify's own per-parse and per-comparison limits (signal based, so only in the
    main thread; elsewhere steps 1-2 are the guard). Training also runs `score` in a worker
    process with a hard time limit (emapg.rewards), since MathTask does not claim to be safe.
@@ -33,6 +34,7 @@ BOXED = "\\boxed"
 MAX_ANSWER_CHARS = 1000  # from "\boxed" on; real answers are far shorter
 MAX_BRACE_DEPTH = 20
 MAX_DIGITS = 10_000  # of any number the comparison may compute
+MAX_TERMS = 1000  # of a sum or product the comparison may expand
 TIME_LIMIT_S = 1  # per parse and per comparison (math-verify takes whole seconds)
 
 _EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0)]
@@ -152,10 +154,24 @@ def _digits(expr: sympy.Basic) -> float:
             return math.inf
         value = abs(float(n)) if n.is_number else 1.0
         return max(size, value * math.log10(max(value, 2.0)) + 1)
+    if isinstance(expr, sympy.Sum | sympy.Product):  # evaluated term by term: bound the terms
+        terms = _terms(expr.limits)
+        body = _digits(expr.function)
+        return terms * body if isinstance(expr, sympy.Product) else body + math.log10(terms) + 1
     children = [_digits(a) for a in expr.args]
     if isinstance(expr, sympy.Mul):
         return sum(children)
     return max(children, default=1.0) + 1
+
+
+def _terms(limits) -> float:
+    """Terms of a sum or product over `limits`; inf past MAX_TERMS or with symbolic bounds."""
+    terms = 1.0
+    for _, low, high in limits:
+        if not (low.is_number and high.is_number) or max(_digits(low), _digits(high)) > 6:
+            return math.inf
+        terms *= max(0.0, float(high - low) + 1)
+    return terms if terms <= MAX_TERMS else math.inf
 
 
 def _power_digits(base_digits: float, exponent: sympy.Basic) -> float:

@@ -76,6 +76,10 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling; < 1 samples from a truncated policy (see rollout/hf.py)")
     stop: list = _f([], "stop strings that end a response (besides EOS)")
     batch_size: int = _f(256, "sequences per generate call")
+    engine: str = _f(
+        "hf", "hf (transformers generate) or vllm (colocated vLLM: pip install 'emapg[vllm]', CUDA)"
+    )
+    vllm_gpu_memory_utilization: float = _f(0.3, "share of GPU memory vLLM may take (engine=vllm)")
 
 
 @dataclass
@@ -260,6 +264,28 @@ def _check(ok: bool, message: str) -> None:
         raise EmapgError(message)
 
 
+def _check_engine(cfg: Config) -> None:
+    """rollout.engine=vllm: what it supports (see rollout/vllm.py), checked before any import."""
+    r = cfg.rollout
+    _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown {r.engine!r}; expected hf or vllm")
+    if r.engine != "vllm":
+        return
+    _check(0 < r.vllm_gpu_memory_utilization < 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1)")
+    _check(
+        r.top_p == 1,
+        "rollout.engine=vllm needs rollout.top_p=1 (its log-probs would be of the truncated policy)",
+    )
+    _check(
+        cfg.task.name != "search",
+        "rollout.engine=vllm does not run the search task's multi-turn rollout; use hf",
+    )
+    _check(cfg.train.device != "cpu", "rollout.engine=vllm needs a CUDA GPU; train.device=cpu")
+    _check(
+        not cfg.model.path.startswith("builtin:"),
+        "rollout.engine=vllm needs model.path=DIR of a HF model (vLLM cannot load builtin:tiny)",
+    )
+
+
 def validate(cfg: Config) -> None:
     """Ranges and combinations, each failure one line naming the field."""
     from emapg import kl  # late: kl pulls torch, config should stay light to import
@@ -271,6 +297,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.rollout.temperature > 0, "rollout.temperature must be > 0")
     _check(0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _check(all(isinstance(s, str) and s for s in cfg.rollout.stop), "rollout.stop must be non-empty strings")
+    _check_engine(cfg)
     _check(
         cfg.algo.advantage in ("grpo", "drgrpo", "batch_std"),
         f"algo.advantage: unknown {cfg.algo.advantage!r}",

@@ -217,9 +217,15 @@ class PromptSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def rollout_engine(task: Task):
-    """The task's own rollout function when it has one (multi-turn search), else HF generate."""
-    return getattr(task, "generate", generate)
+def rollout_engine(task: Task, cfg: Config):
+    """The task's own rollout function when it has one (multi-turn search), else rollout.engine."""
+    if hasattr(task, "generate"):
+        return task.generate
+    if cfg.rollout.engine == "vllm":
+        from emapg.rollout.vllm import engine_for  # late: only this engine imports vllm
+
+        return engine_for(cfg)
+    return generate
 
 
 def task_metrics(task: Task, texts: list[str], examples: list[Example], prefix: str = "") -> dict:
@@ -237,7 +243,7 @@ def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example])
     prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.train.seed + 1)
-        out = rollout_engine(task)(
+        out = rollout_engine(task, cfg)(
             model,
             tokenizer,
             prompts,
@@ -400,7 +406,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         ]
         prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
         reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and anchor is not None
-        batch = rollout_engine(task)(
+        batch = rollout_engine(task, cfg)(
             model, tokenizer, prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, topk=min(cfg.kl.k, vocab) if reverse_topk else 0, stop=cfg.rollout.stop,
             batch_size=cfg.rollout.batch_size, add_special_tokens=special,

@@ -10,7 +10,7 @@ from emapg import trainer
 from emapg.config import load_config
 from emapg.data import math_samples
 from emapg.errors import EmapgError
-from emapg.models import ALPHABET
+from emapg.models import ALPHABET, build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.base import Example
 from emapg.tasks.math import PROMPT, SAMPLE_EVAL, SAMPLE_TRAIN, MathTask, score
 from emapg.tasks.math_data import Problem, load_problems
@@ -118,11 +118,17 @@ def test_math_qwen_needs_its_model_path_and_has_the_papers_settings(tmp_path):
     assert cfg.task.name == "math"
 
 
-def test_training_on_math_runs_and_grades_in_the_worker(tmp_path, tiny_model_dir):
+def test_training_on_math_runs_and_grades_in_the_worker(tmp_path):
+    # Math prompts are longer than the shared tiny model's 64 positions (training refuses them).
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model(
+        tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=512
+    ).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
     cfg = load_config(
         "math_tiny",
         [
-            f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", "train.steps=2",
+            f"model.path={tmp_path / 'm'}", f"train.output_dir={tmp_path}", "train.steps=2",
             "train.progress=false", "train.tensorboard=false", "task.num_train=16", "task.num_eval=4",
             "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "eval.samples=1",
         ],

@@ -97,3 +97,30 @@ def test_task_that_cannot_go_to_a_worker_is_scored_inline_or_refused(caplog):
     with pytest.raises(EmapgError, match="cannot be sent to a reward worker process") as err:
         RewardScorer(Unpicklable(), timeout_s=1.0, isolation="process")
     assert "task.reward_isolation=inline" in str(err.value) and "\n" not in str(err.value)
+
+
+class RaisingArithmetic(ArithmeticTask):
+    """Scores 1 everywhere, or raises on every response."""
+
+    def __init__(self, raises: bool):
+        super().__init__(seed=0, num_train=4, num_eval=4, min_digits=1, max_digits=1)
+        self.raises = raises
+
+    def score(self, response, example):
+        if self.raises:
+            raise RuntimeError("hostile")
+        return 1.0
+
+
+@pytest.mark.parametrize("raises,want", [(False, 1.0), (True, 0.0)])
+def test_evaluation_goes_through_the_guarded_scorer(tiny_model_dir, raises, want):
+    from emapg import trainer
+    from emapg.config import load_config
+    from emapg.models import load_model_and_tokenizer
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.max_new_tokens=3", "eval.greedy=true"])
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    task = RaisingArithmetic(raises)
+    with RewardScorer(task, timeout_s=1.0, isolation="inline") as scorer:
+        accuracy, _ = trainer.evaluate(cfg, model, tokenizer, task, task.eval_examples(), scorer)
+    assert accuracy == want

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -20,7 +21,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
+
+from emapg.errors import EmapgError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -68,6 +72,13 @@ def save(
     return final
 
 
+def remove_partial(directory: Path) -> None:
+    """Delete `.tmp-*` directories a killed save left behind (never a complete step_N)."""
+    if directory.is_dir():
+        for path in directory.glob(".tmp-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     if not directory.is_dir():
@@ -76,8 +87,17 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def load(path: Path, *, policy, anchor, optimizer, scheduler) -> dict:
-    """Restore everything `save` wrote into the live objects; returns state.json's contents."""
+def load(path: Path, **objects) -> dict:
+    """Restore everything `save` wrote into the live objects; returns state.json's contents.
+    A damaged checkpoint stops with one line (EmapgError), never a traceback or an unpickling."""
+    try:
+        return _load(path, **objects)
+    except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError, SafetensorError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EmapgError(f"checkpoint {path} cannot be loaded: {detail}") from None
+
+
+def _load(path: Path, *, policy, anchor, optimizer, scheduler) -> dict:
     missing, unexpected = load_model(policy, str(path / "policy" / "model.safetensors"), strict=False)
     if unexpected or [m for m in missing if m not in _tied_names(policy)]:
         raise RuntimeError(f"checkpoint {path}: policy weights do not match the model")

@@ -286,10 +286,26 @@ def _check_engine(cfg: Config) -> None:
     )
 
 
+def _numbers(values: list) -> bool:
+    return all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+def _exists(path: str, file: bool = False) -> bool:
+    try:  # "~nobody/x" (unknown user) raises instead of answering False
+        found = Path(path).expanduser()
+    except RuntimeError:
+        return False
+    return found.is_file() if file else found.exists()
+
+
 def validate(cfg: Config) -> None:
     """Ranges and combinations, each failure one line naming the field."""
     from emapg import kl  # late: kl pulls torch, config should stay light to import
 
+    _check(
+        _numbers(cfg.optim.betas) and len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
+        f"optim.betas must be two numbers in [0, 1); got {cfg.optim.betas!r:.80}",
+    )
     _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype: unknown {cfg.model.dtype!r}")
     _check(cfg.rollout.group_size >= 1, "rollout.group_size must be >= 1")
     _check(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
@@ -326,6 +342,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.kl.beta >= 0, "kl.beta must be >= 0")
     kl.check_estimator(cfg.kl.estimator, cfg.kl.direction)
     _check(cfg.kl.k >= 0, "kl.k must be >= 0")
+    _check(_numbers(cfg.kl.iw_clip), f"kl.iw_clip must hold numbers; got {cfg.kl.iw_clip!r:.80}")
     _check(
         cfg.kl.iw_clip == [] or (len(cfg.kl.iw_clip) == 2 and 0 <= cfg.kl.iw_clip[0] <= cfg.kl.iw_clip[1]),
         f"kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max; got {cfg.kl.iw_clip}",
@@ -366,12 +383,12 @@ def validate(cfg: Config) -> None:
     )
     for key in ("train_files", "eval_files"):
         for f in getattr(cfg.task, key):
-            _check(isinstance(f, str) and Path(f).expanduser().is_file(), f"task.{key}: {f!r} does not exist")
+            _check(isinstance(f, str) and _exists(f, file=True), f"task.{key}: {f!r} does not exist")
     _check(0 <= cfg.task.format_reward < 1, "task.format_reward must be in [0, 1)")
     _check(not cfg.task.prompt or "{question}" in cfg.task.prompt, "task.prompt must contain {question}")
     path = cfg.model.path  # a path (not a hub name) must exist: catches the placeholder of math_qwen
     _check(
-        not path.startswith(("/", ".", "~")) or Path(path).expanduser().exists(),
+        not path.startswith(("/", ".", "~")) or _exists(path),
         f"model.path {path!r} does not exist; set model.path=DIR to a local model directory",
     )
 

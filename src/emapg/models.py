@@ -10,6 +10,7 @@ import os
 import string
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
@@ -125,7 +126,7 @@ def load_model_and_tokenizer(
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, use_safetensors=True, dtype=dtype
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a damaged weights file
         raise EmapgError(
             f"model path {path!r}: expected a causal LM with safetensors weights in this {where} "
             f"({_first_line(e)})"

@@ -234,10 +234,13 @@ def task_metrics(task: Task, texts: list[str], examples: list[Example], prefix: 
     return {prefix + k: v for k, v in found.items()}
 
 
-def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example]) -> tuple[float, dict]:
+def evaluate(
+    cfg: Config, model, tokenizer, task: Task, examples: list[Example], scorer: RewardScorer
+) -> tuple[float, dict]:
     """Held-out accuracy: mean reward over `eval.samples` responses per problem (pass@1), or
     of one greedy response, and the task's eval/ metrics. Sampling draws from a private
-    generator, so evaluating never changes the training run's random stream."""
+    generator, so evaluating never changes the training run's random stream. Rewards go
+    through the same guarded `scorer` as training, so a hostile reward cannot crash it."""
     n = 1 if cfg.eval.greedy else cfg.eval.samples
     examples = [e for e in examples for _ in range(n)]
     prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
@@ -255,7 +258,7 @@ def evaluate(cfg: Config, model, tokenizer, task: Task, examples: list[Example])
             batch_size=cfg.eval.batch_size,
             add_special_tokens=special,
         )
-    accuracy = sum(task.score(t, e) for t, e in zip(out.texts, examples, strict=True)) / len(examples)
+    accuracy = sum(scorer(out.texts, examples).rewards) / len(examples)
     return accuracy, task_metrics(task, out.texts, examples, "eval/")
 
 
@@ -304,6 +307,21 @@ def load_policy(cfg: Config, task: Task, progress: bool):
     return load_model_and_tokenizer(path, dtype=dtype)
 
 
+def check_context(cfg: Config, model, tokenizer, examples: list[Example]) -> None:
+    """Stop before training when the longest prompt plus a full response exceeds the context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit or not examples:
+        return
+    prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=special)["input_ids"]]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + cfg.rollout.max_new_tokens > limit:
+        raise EmapgError(
+            f"prompt {examples[longest].prompt[:40]!r}... is {lengths[longest]} tokens; with "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} it exceeds the model's context of {limit}"
+        )
+
+
 def _device(cfg: Config) -> torch.device:
     if cfg.train.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -323,6 +341,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
     run_dir = Path(cfg.train.output_dir) / cfg.train.name
     ckpt_dir = run_dir / "checkpoints"
+    checkpoint.remove_partial(ckpt_dir)
     last = checkpoint.list_checkpoints(ckpt_dir)[-1:] if resume else []
     if resume and not last:
         raise EmapgError(f"--resume: no complete checkpoint under {ckpt_dir}")
@@ -334,9 +353,11 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     train_examples, eval_examples = task.train_examples(), task.eval_examples()
     if not eval_examples:
         raise EmapgError(f"task {task.name!r} has no evaluation examples")
+    rollout_engine(task, cfg)  # builds a vLLM engine now: a missing vLLM or GPU stops before any work
     scorer = RewardScorer(task, timeout_s=cfg.task.reward_timeout_s, isolation=cfg.task.reward_isolation)
     device = _device(cfg)
     model, tokenizer = load_policy(cfg, task, show)
+    check_context(cfg, model, tokenizer, train_examples + eval_examples)
     model.to(device).train()
     # No anchor model at all without a KL; an EMA with eta = 1 is the frozen reference.
     anchor = None
@@ -388,7 +409,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         )  # fmt: skip
 
     if start == 0:
-        state["accuracy_before"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples)
+        state["accuracy_before"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples, scorer)
         state["accuracy"] = state["accuracy_before"]
         log.log({"step": 0, "eval/accuracy": state["accuracy"], **eval_metrics})
     bar = tqdm(
@@ -441,7 +462,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             "time/step_s": sum(times.values()),
         }
         if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-            state["accuracy"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples)
+            state["accuracy"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples, scorer)
             record.update({"eval/accuracy": state["accuracy"], **eval_metrics})
         log.log(record)
         bar.set_postfix(

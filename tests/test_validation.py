@@ -1,0 +1,104 @@
+"""Bad inputs found while a run is set up (data, model, context, checkpoint): each stops the
+CLI with exit code 2 and one stderr line naming the problem, before any training step."""
+
+import shutil
+
+import pytest
+
+from emapg.cli import main
+from emapg.errors import EmapgError
+from emapg.models import build_tiny_model, build_tiny_tokenizer
+
+
+def _missing_data(tmp, model):
+    return ["task.name=math", f"task.train_files=[{tmp / 'absent.jsonl'}]"], "absent.jsonl' does not exist"
+
+
+def _empty_data(tmp, model):
+    (tmp / "empty.jsonl").write_text("")
+    return ["task.name=math", f"task.train_files=[{tmp / 'empty.jsonl'}]"], "empty.jsonl: no records"
+
+
+def _malformed_record(tmp, model):
+    (tmp / "bad.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n{"problem": \n')
+    return ["task.name=math", f"task.train_files=[{tmp / 'bad.jsonl'}]"], "bad.jsonl: line 2: not valid JSON"
+
+
+def _prompt_too_long(tmp, model):  # the tiny model's context is 64 positions
+    return [
+        "rollout.max_new_tokens=60"
+    ], "with rollout.max_new_tokens=60 it exceeds the model's context of 64"
+
+
+def _no_eos(tmp, model):
+    tok = build_tiny_tokenizer()
+    build_tiny_model(tok, hidden_size=32, num_layers=1).save_pretrained(tmp / "m")
+    tok.eos_token = None
+    tok.save_pretrained(tmp / "m")
+    return [f"model.path={tmp / 'm'}"], "the tokenizer has no eos_token"
+
+
+def _corrupt_weights(tmp, model):
+    shutil.copytree(model, tmp / "m")
+    (tmp / "m" / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    return [f"model.path={tmp / 'm'}"], "expected a causal LM with safetensors weights"
+
+
+def _corrupt_checkpoint(tmp, model):
+    step = tmp / "quickstart" / "checkpoints" / "step_2"
+    shutil.copytree(model, step / "policy")
+    (step / "policy" / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    return ["--resume"], "checkpoint " + str(step) + " cannot be loaded"
+
+
+def _iw_clip_strings(tmp, model):
+    return ["kl.iw_clip=[a, b]"], "kl.iw_clip must hold numbers; got ['a', 'b']"
+
+
+def _betas_wrong(tmp, model):
+    return ["optim.betas=[0.9]"], "optim.betas must be two numbers in [0, 1); got [0.9]"
+
+
+CASES = [_missing_data, _empty_data, _malformed_record, _prompt_too_long, _no_eos, _corrupt_weights,
+         _corrupt_checkpoint, _iw_clip_strings, _betas_wrong]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__.strip("_") for c in CASES])
+def test_bad_input_is_one_line_exit_2_before_training(tmp_path, tiny_model_dir, case, capsys):
+    extra, message = case(tmp_path, tiny_model_dir)
+    base = [f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", "train.progress=false"]
+    args = [a for a in extra if a.startswith("--")] + base + [a for a in extra if not a.startswith("--")]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("emapg: error: ") and message in err, err
+    assert "\n" not in err
+    assert not (tmp_path / "quickstart" / "metrics.jsonl").exists()  # no step ran
+
+
+class Payload:
+    """A pickle that runs code when unpickled: it would create the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_checkpoint_never_unpickles_code(tmp_path, tiny_model_dir):
+    import torch
+
+    from emapg import checkpoint
+    from emapg.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    objects = {"policy": model, "anchor": None, "optimizer": optimizer, "scheduler": scheduler}
+    path = checkpoint.save(tmp_path, 1, tokenizer=tokenizer, state={}, keep=1, **objects)
+    assert checkpoint.load(path, **objects)["step"] == 1  # the untouched checkpoint loads
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer": Payload(marker)}, path / "optimizer.pt")
+    with pytest.raises(EmapgError, match=f"checkpoint {path} cannot be loaded"):
+        checkpoint.load(path, **objects)
+    assert not marker.exists()

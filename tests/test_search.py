@@ -1,10 +1,14 @@
 """Agentic search: tags, QA metrics, retrieval over HTTP, multi-turn rollouts and state masking."""
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
+import emapg
+from emapg.cli import main
 from emapg.config import Config, load_config
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_model, build_tiny_tokenizer
@@ -165,8 +171,33 @@ def test_oversized_body_is_refused_before_reading(server):
     conn.putheader("Content-Length", str(2 << 20))
     conn.endheaders()
     response = conn.getresponse()
-    assert response.status == 400 and "Content-Length" in json.loads(response.read())["error"]
+    assert response.status == 413 and "at most 1048576" in json.loads(response.read())["error"]
     conn.close()
+
+
+def test_serve_retriever_command_round_trips(world, tmp_path):
+    """`emapg serve-retriever` in a subprocess on a free port answers like the in-process BM25."""
+    w, retriever = world
+    corpus = write_corpus(w, tmp_path / "corpus.jsonl")
+    cmd = [sys.executable, "-m", "emapg", "serve-retriever", "--corpus", str(corpus), "--port", "0"]
+    src = str(Path(emapg.__file__).parents[1])  # the emapg under test, not another installed one
+    env = {**os.environ, "PYTHONPATH": src}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"serving {len(retriever.docs)} documents at http://127.0.0.1:"), (
+            proc.stderr.read()
+        )
+        names = sorted(w["people"])[:2]
+        assert HttpRetriever(line.split()[-1]).retrieve(names, 2) == retriever.retrieve(names, 2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_serve_retriever_bad_corpus_is_one_line(tmp_path, capsys):
+    assert main(["serve-retriever", "--corpus", str(tmp_path / "none.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().endswith("none.jsonl': no such file")
 
 
 def test_client_error_from_server_is_one_line(server):
@@ -387,8 +418,18 @@ def test_format_reward_and_information_text():
     assert format_information([{"contents": "T\nbody"}, {"contents": "only"}]) == "T: body\nonly"
 
 
-def test_search_config_validation():
+def test_search_config_validation(tmp_path):
     assert load_config("search_tiny").task.name == "search"
+    with pytest.raises(EmapgError, match="retriever.train_file: '/path/to/train.parquet' does not exist"):
+        load_config("search_qwen")  # the placeholders must be set
+    files = [tmp_path / n for n in ("t.parquet", "e.parquet", "c.jsonl")]
+    for f in files:
+        f.touch()
+    keys = ("retriever.train_file", "retriever.eval_file", "retriever.corpus")
+    qwen = load_config(
+        "search_qwen", [f"model.path={tmp_path}"] + [f"{k}={f}" for k, f in zip(keys, files, strict=True)]
+    )
+    assert (qwen.retriever.topk, qwen.retriever.max_turns, qwen.rollout.group_size) == (3, 4, 5)
     with pytest.raises(EmapgError, match="retriever.train_file and retriever.eval_file"):
         load_config("search_tiny", ["retriever.train_file=x.parquet"])
     with pytest.raises(EmapgError, match="retriever.topk"):

@@ -1,4 +1,4 @@
-"""Command line: emapg train | eval | sft | report."""
+"""Command line: emapg train | eval | sft | report | serve-retriever."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from emapg.errors import EmapgError
 
 TRAIN_EPILOG = """\
 overrides are dotted config fields, e.g. `kl.k=16 anchor.eta=0.95 train.steps=100`.
-Shipped configs: quickstart (the default), grpo, ema_pg, math_tiny, math_qwen, search_tiny. Every field:
+Shipped configs: quickstart (the default), grpo, ema_pg, math_tiny, math_qwen, search_tiny, search_qwen. Every field:
 
 """
 
@@ -57,6 +57,29 @@ def _report(args) -> None:
 
     print(report(args.runs, args.out, args.threshold, args.smooth), end="")
     print(f"curves: {args.out}; table: {Path(args.out).with_suffix('.md')}")
+
+
+def _serve_retriever(args) -> None:
+    from emapg.search.retriever import BM25Retriever
+    from emapg.search.server import make_server
+
+    if not 0 <= args.port <= 65535:
+        raise EmapgError(f"--port {args.port}: expected 0..65535")
+    retriever = BM25Retriever(args.corpus)
+    try:
+        server = make_server(retriever, args.host, args.port)
+    except OSError as e:
+        raise EmapgError(
+            f"serve-retriever: cannot listen on {args.host}:{args.port} ({e.strerror})"
+        ) from None
+    host, port = server.server_address[:2]
+    print(f"serving {len(retriever.docs)} documents at http://{host}:{port}/retrieve", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--threshold", type=float, help="also report the first step eval/accuracy reaches this")
     rep.add_argument("--smooth", type=int, default=5, help="trailing mean over this many steps (not eval)")
     rep.set_defaults(func=_report)
+    srv = sub.add_parser(
+        "serve-retriever", help="serve BM25 over a jsonl corpus at POST /retrieve (Search-R1's format)"
+    )
+    srv.add_argument("--corpus", required=True, help="jsonl with id and contents (first line: the title)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    srv.set_defaults(func=_serve_retriever)
     return parser
 
 

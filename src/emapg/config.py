@@ -376,6 +376,9 @@ def validate(cfg: Config) -> None:
     )
     _check(r.world_people >= 2 and r.world_cities >= 1, "retriever.world_people >= 2, world_cities >= 1")
     _check(not r.train_file or bool(r.corpus or r.url), "retriever.train_file needs retriever.corpus or .url")
+    for key in ("train_file", "eval_file", "corpus"):
+        f = getattr(r, key)
+        _check(not f or Path(f).expanduser().is_file(), f"retriever.{key}: {f!r} does not exist")
     _check(cfg.train.device in ("auto", "cpu", "cuda"), f"train.device: unknown {cfg.train.device!r}")
     _check(
         cfg.task.name in ("arithmetic", "math", "search"),

@@ -2,8 +2,8 @@
 
 POST /retrieve {"queries": [...], "topk": 3, "return_scores": true}
   -> {"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}
-(without return_scores each hit is the document itself). Bad requests get 400 and
-{"error": message}; the standard library's ThreadingHTTPServer serves, one thread a request.
+(without return_scores each hit is the document itself). Bad requests get 400 (413 for a body
+over MAX_BODY_BYTES) and {"error": message}; the standard library's ThreadingHTTPServer serves, one thread a request.
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ def make_server(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 8
                 length = int(self.headers.get("Content-Length") or -1)
             except ValueError:
                 length = -1
-            if not 0 <= length <= MAX_BODY_BYTES:
-                return self._send(400, {"error": f"need a Content-Length of at most {MAX_BODY_BYTES} bytes"})
+            if length < 0:
+                return self._send(400, {"error": "need a Content-Length header"})
+            if length > MAX_BODY_BYTES:
+                return self._send(413, {"error": f"body of {length} bytes; at most {MAX_BODY_BYTES}"})
             try:
                 queries, topk, scores = parse_request(self.rfile.read(length))
             except RequestError as e:

@@ -1,9 +1,11 @@
-"""HF rollouts: recorded sampling statistics against a full forward, ends of responses."""
+"""HF rollouts: recorded sampling statistics against a full forward, ends of responses, and the
+batch-invariant sampler (hash against a reference, invariance, frequencies against the policy)."""
 
+import pytest
 import torch
 
 from emapg.models import load_model_and_tokenizer
-from emapg.rollout.hf import generate
+from emapg.rollout.hf import generate, splitmix64
 
 
 def test_recorded_logp_topk_and_entropy_match_a_full_forward(tiny_model_dir):
@@ -64,3 +66,66 @@ def test_chat_template_is_applied_without_a_second_bos(tiny_model_dir):
     ids = tokenizer(texts, add_special_tokens=special)["input_ids"][0]
     assert ids.count(tokenizer.bos_token_id) == 1
     assert format_prompts(tokenizer, ["1+1="], chat_template=False) == (["1+1="], True)
+
+
+def _splitmix64_reference(x: int) -> int:
+    """splitmix64's finaliser on Python ints (unbounded), reduced to 64 bits by hand."""
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def test_splitmix64_on_int64_tensors_equals_the_unsigned_reference():
+    values = [0, 1, 2, 12345, (1 << 63) - 1, -1, -(1 << 63), 0x9E3779B97F4A7C15 - (1 << 64)]
+    got = splitmix64(torch.tensor(values, dtype=torch.long)).tolist()
+    assert [g & ((1 << 64) - 1) for g in got] == [_splitmix64_reference(v & ((1 << 64) - 1)) for v in values]
+
+
+def test_a_rows_samples_do_not_depend_on_its_batch_chunk_or_position(tiny_model_dir):
+    """What makes N processes sample like one: rank r generating rows [a, b) with first_row=a
+    gets the very tokens the whole batch gets there, whatever the chunking."""
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    prompts = ["1=", "2+2=", "34+56=", "7=", "78+9=", "1+1=", "12+34=", "5+5="] * 2
+    torch.manual_seed(3)
+    whole = generate(model, tokenizer, prompts, max_new_tokens=6, topk=3)
+    parts = []
+    for a, b, chunk in ((0, 5, 2), (5, 16, 4)):
+        torch.manual_seed(3)
+        parts.append(
+            generate(model, tokenizer, prompts[a:b], max_new_tokens=6, topk=3, batch_size=chunk, first_row=a)
+        )
+    assert whole.texts == parts[0].texts + parts[1].texts
+    for part, a in zip(parts, (0, 5), strict=True):
+        n, width = part.response_mask.shape
+        mine = slice(a, a + n)
+        assert torch.equal(whole.responses[mine, :width], part.responses)
+        assert torch.equal(whole.topk_ids[mine, :width], part.topk_ids)
+        # Different left padding: the same log-probs up to float rounding.
+        assert torch.allclose(whole.sampling_logp[mine, :width], part.sampling_logp, atol=1e-5)
+    torch.manual_seed(4)  # a different call seed: different samples
+    assert generate(model, tokenizer, prompts, max_new_tokens=6).texts != whole.texts
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_tokens_follow_the_tempered_nucleus_policy(tiny_model_dir, temperature, top_p):
+    """Frequencies of 6000 first tokens against softmax(logits / T) cut to the top-p nucleus
+    (renormalised): within 4.5 standard errors everywhere, never a token outside the nucleus."""
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(6.0)  # logits x6: a peaked policy, where temperature matters
+    n = 6000
+    torch.manual_seed(0)
+    out = generate(model, tokenizer, ["3+4="] * n, max_new_tokens=1, temperature=temperature, top_p=top_p,
+                   batch_size=n)  # fmt: skip
+    with torch.no_grad():
+        logits = model(**tokenizer(["3+4="], return_tensors="pt")).logits[0, -1]
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = p.sort(descending=True)
+    keep = order.values.cumsum(0) - order.values < top_p  # the smallest set with mass >= top_p
+    nucleus = torch.zeros_like(p).scatter_(0, order.indices[keep], order.values[keep])
+    want = nucleus / nucleus.sum()
+    freq = torch.bincount(out.responses[:, 0], minlength=p.numel()).double() / n
+    assert (freq[want == 0] == 0).all()
+    assert ((freq - want).abs() <= 4.5 * (want * (1 - want) / n).sqrt() + 1e-12).all()

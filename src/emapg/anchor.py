@@ -7,6 +7,7 @@ import copy
 import torch
 from torch import nn
 
+from emapg import distributed
 from emapg.errors import EmapgError
 
 
@@ -16,8 +17,8 @@ class Anchor:
     eta = 1 is plain GRPO's frozen reference; eta < 1 is the EMA anchor
     theta_ema <- eta * theta_ema + (1 - eta) * theta, applied every `update_period` optimiser
     steps. The anchor holds one copy of the weights; updates are in-place lerps
-    (torch._foreach_lerp_), so no second copy is allocated per step. Its parameters never
-    require grad and are never seen by the optimiser.
+    (torch._foreach_lerp_), so no second copy is allocated per step; sharded by FSDP, each rank
+    lerps its own shards. Its parameters never require grad and are never seen by the optimiser.
     """
 
     def __init__(self, policy: nn.Module, eta: float, update_period: int, *, model: nn.Module | None = None):
@@ -36,8 +37,11 @@ class Anchor:
         """Call after optimiser step number `optimizer_step` (1-based); True when it updated."""
         if self.eta == 1.0 or optimizer_step % self.update_period:
             return False
-        mine = list(self.model.parameters())
-        theirs = [p.detach() for p in policy.parameters()]
+        # FSDP: free gathered copies, then lerp each rank's local shards (views of the DTensors).
+        distributed.reshard(self.model)
+        distributed.reshard(policy)
+        mine = [distributed.local(p) for p in self.model.parameters()]
+        theirs = [distributed.local(p.detach()) for p in policy.parameters()]
         if len(mine) != len(theirs):
             raise RuntimeError("anchor and policy have different parameter lists")
         torch._foreach_lerp_(mine, theirs, 1.0 - self.eta)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ def _train(args) -> None:
 
     cfg = load_config(args.config, args.overrides)
     result = train(cfg, resume=args.resume)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports for all
+        return
     before, after = result["accuracy_before"], result["accuracy_after"]
     print(
         f"eval/accuracy {before:.1%} before training -> {after:.1%} after ({100 * (after - before):+.1f} points); "

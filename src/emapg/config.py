@@ -396,6 +396,30 @@ def validate(cfg: Config) -> None:
     )
 
 
+def validate_world(cfg: Config, world: int) -> None:
+    """What multi-process training (torchrun, `world` processes) supports; one line each."""
+    if world == 1:
+        return
+    _check(
+        cfg.rollout.engine == "hf",
+        f"rollout.engine=vllm runs in one process; torchrun started {world}: use rollout.engine=hf",
+    )
+    _check(
+        cfg.task.name != "search",
+        f"task.name=search runs in one process (its turns differ per rank); torchrun started {world}",
+    )
+    _check(
+        cfg.rollout.prompts_per_step % world == 0,
+        f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the {world} "
+        "processes (each rank takes whole groups)",
+    )
+    _check(
+        cfg.algo.minibatches == 1,
+        f"algo.minibatches={cfg.algo.minibatches}: multi-process training takes one optimiser step per "
+        "epoch (algo.minibatches=1; algo.epochs may be more)",
+    )
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 

@@ -45,8 +45,8 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, total: float) -> Tensor:
     raise EmapgError(f"loss aggregation must be one of {', '.join(AGGREGATIONS)}; got {mode!r}")
 
 
-def aggregation_total(mask: Tensor, mode: str) -> float:
-    """The `total` for `aggregate` over a whole minibatch's response mask."""
-    if mode == "token_mean":
-        return max(float(mask.sum()), 1.0)
-    return float(mask.shape[0])
+def aggregation_total(mask: Tensor, mode: str, reduce=float) -> float:
+    """The `total` for `aggregate` over a whole minibatch's response mask; `reduce` sums the
+    count over processes when each holds a slice of the minibatch."""
+    count = mask.sum() if mode == "token_mean" else mask.shape[0]
+    return max(reduce(float(count)), 1.0)

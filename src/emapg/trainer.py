@@ -8,6 +8,7 @@ log-prob, k top-k ids, k anchor log-probs); no [tokens, vocab] tensor is ever st
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import time
@@ -20,10 +21,10 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, kl, topk
+from emapg import checkpoint, distributed, kl, topk
 from emapg.advantages import group_advantages
 from emapg.anchor import Anchor
-from emapg.config import Config, to_dict
+from emapg.config import Config, to_dict, validate_world
 from emapg.errors import EmapgError
 from emapg.guards import step_is_finite
 from emapg.metrics import MetricsLog
@@ -42,7 +43,8 @@ def _uses_linear_head(model: nn.Module) -> bool:
     """Whether logits = hidden @ W.T exactly, so the fused chunked head can replace lm_head."""
     head = model.get_output_embeddings()
     scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logits_scaling"))
-    return isinstance(head, nn.Linear) and head.bias is None and not scaled
+    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return isinstance(head, nn.Linear) and head.bias is None and not scaled and keeps
 
 
 def response_summary(
@@ -56,7 +58,15 @@ def response_summary(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     p = batch.prompt_len
     if _uses_linear_head(model):
-        hidden = model.base_model(input_ids=batch.sequences, attention_mask=mask, position_ids=positions)[0]
+        # The root forward (where FSDP gathers the head and embeddings) with the logits of one
+        # position only; the final hidden states are caught as they leave the base model.
+        caught = []
+        hook = model.base_model.register_forward_hook(lambda module, args, out: caught.append(out[0]))
+        try:
+            model(input_ids=batch.sequences, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+        finally:
+            hook.remove()
+        hidden = caught[0]
         return topk.summarize_hidden(
             hidden[:, p - 1 : -1],
             model.get_output_embeddings().weight,
@@ -145,12 +155,21 @@ def token_losses(cfg: Config, model, part: Rollout, advantages: Tensor, ref: Anc
 def update(
     cfg: Config, model, optimizer, scheduler, anchor: Anchor | None, batch: Rollout, advantages, ref, state
 ):
-    """PPO epochs over minibatches, micro-batched; the EMA anchor steps after optimiser steps."""
+    """PPO epochs over minibatches, micro-batched; the EMA anchor steps after optimiser steps.
+
+    With several processes `batch` is this rank's slice of the global batch: the permutation is
+    drawn over the global batch (the same random stream as one process), each rank takes its
+    rows, and the loss is divided by the global total, so the summed gradients are one process's.
+    """
     sums = {"loss/policy": 0.0, "kl/value": 0.0, "clip_frac": 0.0}
     count, grad_norms, ema_seconds = 0.0, [], 0.0
+    local = len(batch.texts)
+    first = distributed.rank() * local
     for _ in range(cfg.algo.epochs):
-        for rows_mb in torch.randperm(len(batch.texts)).chunk(cfg.algo.minibatches):
-            total = aggregation_total(batch.response_mask[rows_mb], cfg.algo.loss_aggregation)
+        for rows_mb in torch.randperm(local * distributed.world()).chunk(cfg.algo.minibatches):
+            rows_mb = rows_mb[(rows_mb >= first) & (rows_mb < first + local)] - first
+            mask_mb = batch.response_mask[rows_mb]
+            total = aggregation_total(mask_mb, cfg.algo.loss_aggregation, reduce=distributed.sum_one)
             optimizer.zero_grad(set_to_none=True)
             minibatch_loss = 0.0
             for rows in rows_mb.split(cfg.algo.micro_batch_size):
@@ -168,7 +187,9 @@ def update(
                 sums["clip_frac"] += float((clipped & mask).sum())
                 count += float(mask.sum())
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # global over shards
+            grad_norm = float(distributed.full(norm))
+            minibatch_loss = distributed.sum_one(minibatch_loss)  # every rank decides alike
             if not step_is_finite(state, minibatch_loss, grad_norm, cfg.train.max_bad_steps):
                 continue  # weights, optimiser moments, scheduler and anchor stay as they were
             grad_norms.append(grad_norm)
@@ -179,7 +200,8 @@ def update(
                 t = time.perf_counter()
                 anchor.step(model, state["optimizer_steps"])
                 ema_seconds += time.perf_counter() - t
-    stats = {k: v / max(count, 1.0) for k, v in sums.items()}
+    *totals, count = distributed.sum_all(*sums.values(), count)
+    stats = {k: v / max(count, 1.0) for k, v in zip(sums, totals, strict=True)}
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
     return stats, ema_seconds
 
@@ -229,9 +251,11 @@ def rollout_engine(task: Task, cfg: Config):
 
 
 def task_metrics(task: Task, texts: list[str], examples: list[Example], prefix: str = "") -> dict:
-    """Figures a task reports beside the reward (e.g. search/calls_mean), when it has any."""
+    """Figures a task reports beside the reward (e.g. search/calls_mean), when it has any: means
+    over the responses, so the global figure weighs each rank's by its number of responses."""
     found = task.metrics(texts, examples) if hasattr(task, "metrics") else {}
-    return {prefix + k: v for k, v in found.items()}
+    *sums, n = distributed.sum_all(*(v * len(texts) for v in found.values()), len(texts))
+    return {prefix + k: v / n for k, v in zip(found, sums, strict=True)}
 
 
 def evaluate(
@@ -240,10 +264,16 @@ def evaluate(
     """Held-out accuracy: mean reward over `eval.samples` responses per problem (pass@1), or
     of one greedy response, and the task's eval/ metrics. Sampling draws from a private
     generator, so evaluating never changes the training run's random stream. Rewards go
-    through the same guarded `scorer` as training, so a hostile reward cannot crash it."""
+    through the same guarded `scorer` as training, so a hostile reward cannot crash it.
+    With several processes each rank samples its slice (the last one padded with repeats, so
+    all run the same forwards) and the figures are reduced over the real rows."""
     n = 1 if cfg.eval.greedy else cfg.eval.samples
     examples = [e for e in examples for _ in range(n)]
-    prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
+    per = -(-len(examples) // distributed.world())
+    first = distributed.rank() * per
+    real = max(0, min(per, len(examples) - first))  # rows of this slice that are not padding
+    mine = (examples + examples[-1:] * (per * distributed.world() - len(examples)))[first : first + per]
+    prompts, special = format_prompts(tokenizer, [e.prompt for e in mine], cfg.model.chat_template)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.train.seed + 1)
         out = rollout_engine(task, cfg)(
@@ -257,9 +287,11 @@ def evaluate(
             stop=cfg.rollout.stop,
             batch_size=cfg.eval.batch_size,
             add_special_tokens=special,
+            first_row=first,
         )
-    accuracy = sum(scorer(out.texts, examples).rewards) / len(examples)
-    return accuracy, task_metrics(task, out.texts, examples, "eval/")
+    texts, mine = out.texts[:real], mine[:real]
+    correct, total = distributed.sum_all(sum(scorer(texts, mine).rewards), real)
+    return correct / total, task_metrics(task, texts, mine, "eval/")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,15 +327,16 @@ def load_policy(cfg: Config, task: Task, progress: bool):
 
         w = cfg.warmstart
         sft_kwargs = {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr, "seed": cfg.train.seed}
-        path = warm_start(
-            Path(w.cache_dir).expanduser(),
-            task=task,
-            sft_kwargs=sft_kwargs,
-            model_kwargs=w.model_kwargs,
-            tokenizer_kwargs={"extra_chars": getattr(task, "tiny_extra_chars", "")},
-            target_accuracy=w.target_accuracy or None,
-            progress=progress,
-        )
+        with distributed.main_first():  # rank 0 builds the cached warm start, the others load it
+            path = warm_start(
+                Path(w.cache_dir).expanduser(),
+                task=task,
+                sft_kwargs=sft_kwargs,
+                model_kwargs=w.model_kwargs,
+                tokenizer_kwargs={"extra_chars": getattr(task, "tiny_extra_chars", "")},
+                target_accuracy=w.target_accuracy or None,
+                progress=progress and distributed.is_main(),
+            )
     return load_model_and_tokenizer(path, dtype=dtype)
 
 
@@ -335,19 +368,34 @@ def _device(cfg: Config) -> torch.device:
 
 
 def train(cfg: Config, *, resume: bool = False) -> dict:
-    """Run (or resume) training; returns the final record with accuracy before and after."""
+    """Run (or resume) training; returns the final record with accuracy before and after.
+
+    Under torchrun (WORLD_SIZE > 1) every rank runs this loop on its slice of each batch, with
+    policy and anchor sharded by FSDP2; rank 0 alone logs and writes the run's files."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    device = distributed.init(_device(cfg))
+    try:
+        return _train(cfg, resume, device)
+    finally:
+        distributed.close()
+
+
+def _train(cfg: Config, resume: bool, device: torch.device) -> dict:
+    validate_world(cfg, distributed.world())
+    main = distributed.is_main()
     hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
     run_dir = Path(cfg.train.output_dir) / cfg.train.name
     ckpt_dir = run_dir / "checkpoints"
-    checkpoint.remove_partial(ckpt_dir)
+    if main:
+        checkpoint.remove_partial(ckpt_dir)
+    distributed.barrier()
     last = checkpoint.list_checkpoints(ckpt_dir)[-1:] if resume else []
     if resume and not last:
         raise EmapgError(f"--resume: no complete checkpoint under {ckpt_dir}")
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
-    show = cfg.train.progress
+    show = cfg.train.progress and main
 
     task = make_task(cfg)
     train_examples, eval_examples = task.train_examples(), task.eval_examples()
@@ -355,7 +403,6 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         raise EmapgError(f"task {task.name!r} has no evaluation examples")
     rollout_engine(task, cfg)  # builds a vLLM engine now: a missing vLLM or GPU stops before any work
     scorer = RewardScorer(task, timeout_s=cfg.task.reward_timeout_s, isolation=cfg.task.reward_isolation)
-    device = _device(cfg)
     model, tokenizer = load_policy(cfg, task, show)
     check_context(cfg, model, tokenizer, train_examples + eval_examples)
     model.to(device).train()
@@ -364,6 +411,8 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     if cfg.anchor.kind != "none":
         eta = 1.0 if cfg.anchor.kind == "frozen" else cfg.anchor.eta
         anchor = Anchor(model, eta, cfg.anchor.update_period)
+        distributed.shard(anchor.model)
+    distributed.shard(model)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
     )
@@ -386,15 +435,17 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         sampler.load(saved["sampler"])
         if anchor is not None:
             anchor.load_state_dict(saved["anchor"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    log = MetricsLog(
-        run_dir,
-        resume_step=start if last else None,
-        tensorboard=cfg.train.tensorboard,
-        wandb=cfg.train.wandb,
-        config=to_dict(cfg),
-    )
+    log = None  # rank 0 writes the run's files
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        log = MetricsLog(
+            run_dir,
+            resume_step=start if last else None,
+            tensorboard=cfg.train.tensorboard,
+            wandb=cfg.train.wandb,
+            config=to_dict(cfg),
+        )
     vocab = model.get_output_embeddings().weight.shape[0]
 
     def save(step: int) -> None:
@@ -411,7 +462,8 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     if start == 0:
         state["accuracy_before"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples, scorer)
         state["accuracy"] = state["accuracy_before"]
-        log.log({"step": 0, "eval/accuracy": state["accuracy"], **eval_metrics})
+        if log:
+            log.log({"step": 0, "eval/accuracy": state["accuracy"], **eval_metrics})
     bar = tqdm(
         range(start + 1, cfg.train.steps + 1),
         desc=cfg.train.name,
@@ -425,12 +477,14 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         examples = [
             e for e in sampler.take(cfg.rollout.prompts_per_step) for _ in range(cfg.rollout.group_size)
         ]
+        rows = distributed.shard_rows(len(examples))  # whole groups: prompts_per_step % world == 0
+        examples = examples[rows]
         prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
         reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and anchor is not None
         batch = rollout_engine(task, cfg)(
             model, tokenizer, prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, topk=min(cfg.kl.k, vocab) if reverse_topk else 0, stop=cfg.rollout.stop,
-            batch_size=cfg.rollout.batch_size, add_special_tokens=special,
+            batch_size=cfg.rollout.batch_size, add_special_tokens=special, first_row=rows.start,
         )  # fmt: skip
         times["rollout"], t = time.perf_counter() - t, time.perf_counter()
 
@@ -446,15 +500,19 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         times["update"] = time.perf_counter() - t - times["ema"]
 
         mask = batch.response_mask
+        reward_sum, errors, timeouts, entropy_sum, tokens, n = distributed.sum_all(
+            float(rewards.sum()), scored.errors, scored.timeouts, float((batch.entropy * mask).sum()),
+            float(mask.sum()), len(examples),
+        )  # fmt: skip
         record = {
             "step": step,
-            "reward/mean": float(rewards.mean()),
-            "reward/errors": scored.errors,
-            "reward/timeouts": scored.timeouts,
+            "reward/mean": reward_sum / n,
+            "reward/errors": int(errors),
+            "reward/timeouts": int(timeouts),
             "train/skipped_steps": state.get("skipped_steps", 0),  # absent in older checkpoints
             **stats,
-            "entropy": float((batch.entropy * mask).sum() / mask.sum().clamp(min=1)),
-            "response_length/mean": float(mask.sum(1).float().mean()),
+            "entropy": entropy_sum / max(tokens, 1.0),
+            "response_length/mean": tokens / n,
             **task_metrics(task, batch.texts, examples),
             "anchor/updates": anchor.updates if anchor else 0,
             "lr": scheduler.get_last_lr()[0],
@@ -464,7 +522,8 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
             state["accuracy"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples, scorer)
             record.update({"eval/accuracy": state["accuracy"], **eval_metrics})
-        log.log(record)
+        if log:
+            log.log(record)
         bar.set_postfix(
             reward=f"{record['reward/mean']:.3f}",
             kl=f"{record['kl/value']:.2e}",
@@ -472,7 +531,8 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         )
         if step % cfg.train.save_every == 0 or step == cfg.train.steps:
             save(step)
-    log.close()
+    if log:
+        log.close()
     scorer.close()
     return {
         "run_dir": str(run_dir),

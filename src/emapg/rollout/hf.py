@@ -1,13 +1,18 @@
 """Rollouts through Hugging Face `generate` with the KV cache.
 
 The sampling log-probs, entropy and top-k ids are recorded in the same pass that samples, by
-a logits processor that sees the raw logits of every step (custom processors run before the
-temperature / top-p warpers, see GenerationMixin._get_logits_processor). They are exact for
+a logits processor that sees the raw logits of every step (it runs before `_RowSampler`, which
+applies the temperature and top-p itself; generate adds no warpers). They are exact for
 the sampling policy softmax(logits / temperature). Two caveats, both standard practice:
 - with top_p < 1 the tokens are drawn from the nucleus-truncated distribution, while the
   recorded log-probs (and the PPO ratio and KL) use the untruncated tempered policy;
 - the update pass recomputes the policy on whole sequences without the KV cache, so its
   log-probs equal these only up to floating-point rounding (ratio 1 +- 1e-6 in fp32).
+
+Sampling is batch-invariant: `_RowSampler` draws each token by inverting the CDF at a uniform
+hashed from (call seed, global row index, step), so a row samples the same tokens whichever
+batch, chunk or rank it is generated in (multi-process training then equals one process). The
+call seed comes from torch's global generator, so `torch.manual_seed` still governs the stream.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     StoppingCriteria,
+    TopPLogitsWarper,
 )
 
+from emapg import distributed
 from emapg.rollout.base import Rollout
 
 
@@ -54,6 +61,49 @@ class _SamplingRecorder(LogitsProcessor):
             else torch.zeros(n, len(self.entropy), 0, dtype=torch.long)
         )
         return torch.stack(self.token_logp, 1), topk.to(last_tokens.device), torch.stack(self.entropy, 1)
+
+
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: Tensor) -> Tensor:
+    """The splitmix64 finaliser on int64 tensors (wrapping arithmetic): a counter-based hash."""
+    x = x + _GOLDEN
+    x = (x ^ _shift(x, 30)) * _MIX1
+    x = (x ^ _shift(x, 27)) * _MIX2
+    return x ^ _shift(x, 31)
+
+
+def row_uniforms(seed: int, rows: Tensor, step: int) -> Tensor:
+    """One uniform draw in (0, 1) per row, a pure function of (seed, row, step)."""
+    bits = splitmix64(splitmix64(torch.tensor(seed, device=rows.device) ^ rows) + step)
+    return (_shift(bits, 11).double() + 0.5) / float(1 << 53)  # 53 random bits, never 0 or 1
+
+
+class _RowSampler(LogitsProcessor):
+    """Draws the next token of each row from softmax(logits / temperature), nucleus-truncated,
+    by inverting its CDF at the row's own uniform; returns scores whose argmax is that token,
+    so generate runs greedy and never touches the global random stream."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int, rows: Tensor):
+        self.temperature, self.seed, self.rows, self.step = temperature, seed, rows, 0
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        scores = scores / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        cdf = torch.softmax(scores.double(), -1).cumsum(-1)
+        u = row_uniforms(self.seed, self.rows, self.step).unsqueeze(-1)
+        self.step += 1
+        # The first token whose CDF reaches u (tokens of probability 0 never do).
+        token = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, -torch.inf).scatter_(-1, token, 0.0)
 
 
 class _EndTracker(StoppingCriteria):
@@ -94,10 +144,13 @@ def generate(
     stop: list[str] = (),
     batch_size: int = 256,
     add_special_tokens: bool = True,
+    first_row: int = 0,
 ) -> Rollout:
     """Sample one response per prompt (repeat prompts for groups), batch_size at a time.
 
     Pass prompts through `format_prompts` first, with the `add_special_tokens` it returns.
+    `first_row`: the global index of prompts[0] when a rank generates its slice of a batch;
+    a row's sampling noise depends on its global index only.
     """
     enc = tokenizer(
         prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special_tokens
@@ -105,6 +158,7 @@ def generate(
     return generate_from_ids(
         model, tokenizer, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, greedy=greedy, topk=topk, stop=stop, batch_size=batch_size,
+        first_row=first_row,
     )  # fmt: skip
 
 
@@ -122,6 +176,7 @@ def generate_from_ids(
     topk: int = 0,
     stop: list[str] = (),
     batch_size: int = 256,
+    first_row: int = 0,
 ) -> Rollout:
     """`generate` for prompts already tokenized and left-padded ([N, P] ids and attention mask).
 
@@ -134,26 +189,30 @@ def generate_from_ids(
     eos = _eos_ids(model, tokenizer)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
-        do_sample=not greedy,
-        temperature=temperature if not greedy else None,
-        top_p=top_p if not greedy else None,
-        top_k=None,  # GenerationConfig's default top_k=50 would silently truncate the policy
+        do_sample=False,  # argmax of _RowSampler's scores when sampling
+        top_k=None,  # GenerationConfig's default top_k=50 would be one more warper
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
     )
+    seed = None if greedy else int(torch.randint(0, 1 << 62, ()))
     was_training = model.training
     model.eval()
     parts = []
     for a in range(0, prompt_ids.shape[0], batch_size):
         ids, mask = prompt_ids[a : a + batch_size], prompt_mask[a : a + batch_size]
         recorder = _SamplingRecorder(temperature, topk)
+        processors = [recorder]
+        if not greedy:
+            rows = torch.arange(first_row + a, first_row + a + ids.shape[0], device=device)
+            processors.append(_RowSampler(temperature, top_p, seed, rows))
         ends = _EndTracker(prompt_len, ids.shape[0], eos, tokenizer, list(stop), device)
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
             generation_config=config,
-            logits_processor=[recorder],
+            logits_processor=processors,
             stopping_criteria=[ends],
+            synced_gpus=distributed.world() > 1,  # FSDP: every rank runs each forward until all end
         )
         logp, top, entropy = recorder.finish(out[:, -1])
         length = torch.where(ends.length < 0, out.shape[1] - prompt_len, ends.length)

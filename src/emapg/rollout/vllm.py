@@ -143,8 +143,9 @@ class VllmEngine:
         )
 
     def __call__(self, model, tokenizer, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0,
-                 greedy=False, topk=0, stop=(), batch_size=0, add_special_tokens=True) -> Rollout:  # fmt: skip
-        """Push the policy's current weights, then sample (batch_size: vLLM batches on its own)."""
+                 greedy=False, topk=0, stop=(), batch_size=0, add_special_tokens=True, first_row=0) -> Rollout:  # fmt: skip
+        """Push the policy's current weights, then sample (batch_size: vLLM batches on its own;
+        first_row: vLLM samples with its own generator, one process only)."""
         push_weights(self.llm, weights_to_push(model, self.dtype))
         ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
         runs = group_requests(ids)

@@ -71,6 +71,7 @@ def search_rollout(
     stop: list[str] = (),
     batch_size: int = 256,
     add_special_tokens: bool = True,
+    first_row: int = 0,
 ) -> Rollout:
     """Up to `max_turns` searches per episode, then one more turn to answer; `max_new_tokens`
     bounds the whole response region (model tokens and inserted information)."""
@@ -84,7 +85,7 @@ def search_rollout(
         ids, mask = _left_pad([episodes[i].prompt + episodes[i].ids for i in active], tokenizer.pad_token_id)
         out = generate_from_ids(
             model, tokenizer, ids, mask, max_new_tokens=max(budget), temperature=temperature,
-            top_p=top_p, greedy=greedy, topk=topk, stop=stops, batch_size=batch_size,
+            top_p=top_p, greedy=greedy, topk=topk, stop=stops, batch_size=batch_size, first_row=first_row,
         )  # fmt: skip
         searching, queries = [], []
         for row, (i, room) in enumerate(zip(active, budget, strict=True)):

@@ -33,7 +33,7 @@ VARIANTS = {
 SHARED = ["kl.beta=0.001", "kl.k=32", "kl.direction=reverse", "kl.importance_weight=true",
           "anchor.eta=0.9", "anchor.update_period=10"]  # fmt: skip
 # Per task: base config, and the held-out accuracy whose first crossing is reported.
-TASKS = {"arithmetic": ("quickstart", 0.4), "search": ("search_tiny", 0.3)}
+TASKS = {"arithmetic": ("quickstart", 0.4), "search": ("search_tiny", 0.5)}  # search: warm start ~0.44
 
 
 def run_one(task: str, variant: str, seed: int, steps: int | None, extra: list[str], out: Path) -> float:

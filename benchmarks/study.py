@@ -1,6 +1,6 @@
 """The GRPO vs EMA-PG study: four configs x several seeds on the built-in tasks, equal budgets.
 
-    python benchmarks/study.py [--tasks arithmetic search] [--seeds 3] [--steps N] [key=value ...]
+    python benchmarks/study.py [--tasks arithmetic search] [--seeds 3] [--steps N] [--jobs J] [key=value ...]
 
 Configs (the ablation of EMA-PG's two parts, everything else equal):
   grpo       frozen anchor + k3           ema_only   EMA anchor + k3
@@ -8,14 +8,18 @@ Configs (the ablation of EMA-PG's two parts, everything else equal):
 with beta 1e-3, k 32, eta 0.9 every 10 steps. Runs go to benchmarks/study_runs/<task>-<config>-seedN
 (a finished run is reused, so an interrupted study picks up where it stopped). Writes
 benchmarks/RESULTS.md (per task: `emapg report`'s table, wall time per run) and
-benchmarks/study_<task>.png.
+benchmarks/study_<task>.png. `--jobs 2 train.threads=1` trains two runs at once, one thread each
+(on 2 cores that finishes the study in about half the time; wall times per run are then those
+of a run sharing the machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from emapg.checkpoint import list_checkpoints
@@ -64,17 +68,21 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="training steps per run (default: the base config's)")
     parser.add_argument("--out", type=Path, default=HERE / "study_runs")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
     parser.add_argument("overrides", nargs="*", help="extra key=value for every run")
     args = parser.parse_args()
 
     sections = []
     for task in args.tasks:
         base, threshold = TASKS[task]
-        names = []
-        for variant in VARIANTS:
-            for seed in range(args.seeds):
-                run_one(task, variant, seed, args.steps, args.overrides, args.out)
-                names.append(f"{task}-{variant}-seed{seed}")
+        grid = [(variant, seed) for variant in VARIANTS for seed in range(args.seeds)]
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [
+                pool.submit(run_one, task, v, s, args.steps, args.overrides, args.out) for v, s in grid
+            ]
+            for future in futures:
+                future.result()  # re-raises a run's error
+        names = [f"{task}-{variant}-seed{seed}" for variant, seed in grid]
         runs = [load_run(args.out / n) for n in names]
         timed = [args.out / n / "wall_time.json" for n in names]
         walls = [json.loads(p.read_text())["seconds"] for p in timed if p.is_file()] or [0.0]
@@ -90,6 +98,7 @@ def main() -> None:
     command = "python benchmarks/study.py " + " ".join(
         [f"--tasks {' '.join(args.tasks)}", f"--seeds {args.seeds}"]
         + ([f"--steps {args.steps}"] if args.steps else [])
+        + ([f"--jobs {args.jobs}"] if args.jobs > 1 else [])
         + args.overrides
     )
     text = (

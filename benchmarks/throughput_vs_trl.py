@@ -13,7 +13,10 @@ so it includes the interpreter and both libraries (the "over start" column subtr
 at the run's start).
 
     python benchmarks/throughput_vs_trl.py [--rounds 3] [--steps 4] [--prompts 8] [--group 8]
-        [--max-new-tokens 32] [--hidden 128] [--layers 4]
+        [--max-new-tokens 32] [--hidden 128] [--layers 4] [--vocab 0]
+
+`--vocab V` grows the character tokenizer (and so the model's vocabulary) to V entries with
+extra CJK characters, to weigh the output head as a real LLM's (32k to 150k) does.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import PrinterCallback, TrainerCallback
+from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 from transformers.utils import logging as hf_logging
 from trl import GRPOConfig, GRPOTrainer
 
@@ -54,6 +57,12 @@ def reset_peak_rss() -> float:
     """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs); returns that RSS."""
     Path("/proc/self/clear_refs").write_text("5")
     return rss_mb("VmRSS")
+
+
+def extra_chars(n: int) -> str:
+    """n distinct characters from U+4E00 (CJK) on, surrogates skipped: pads the vocabulary."""
+    codes = (c for c in range(0x4E00, 0x110000) if not 0xD800 <= c < 0xE000)
+    return "".join(chr(next(codes)) for _ in range(max(0, n)))
 
 
 def run_emapg(model_dir: str, args, out: str, round_: int) -> dict:
@@ -151,7 +160,7 @@ def run_trl(model_dir: str, args, out: str, round_: int, task: ArithmeticTask) -
         beta=BETA, use_bias_correction_kl=False, loss_type="bnpo", bf16=False, use_cpu=True, seed=round_,
         learning_rate=1e-5, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
     )  # fmt: skip
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     start = reset_peak_rss()
     trainer = TimedGRPOTrainer(
         model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer
@@ -219,6 +228,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--vocab", type=int, default=0, help="vocabulary size (default: the tiny tokenizer's 57)"
+    )
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step of each run is a warm-up)")
@@ -230,7 +242,7 @@ def main() -> None:
                           min_digits=cfg.task.min_digits, max_digits=cfg.task.max_digits)  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         model_dir = os.path.join(out, "model")
-        tokenizer = build_tiny_tokenizer()
+        tokenizer = build_tiny_tokenizer(extra_chars=extra_chars(args.vocab - len(build_tiny_tokenizer())))
         model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
                                  max_position_embeddings=128)  # fmt: skip
         model.save_pretrained(model_dir)

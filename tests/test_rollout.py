@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from emapg.models import load_model_and_tokenizer
-from emapg.rollout.hf import generate, splitmix64
+from emapg.rollout.hf import generate, row_uniforms, splitmix64
 
 
 def test_recorded_logp_topk_and_entropy_match_a_full_forward(tiny_model_dir):
@@ -81,6 +81,18 @@ def test_splitmix64_on_int64_tensors_equals_the_unsigned_reference():
     values = [0, 1, 2, 12345, (1 << 63) - 1, -1, -(1 << 63), 0x9E3779B97F4A7C15 - (1 << 64)]
     got = splitmix64(torch.tensor(values, dtype=torch.long)).tolist()
     assert [g & ((1 << 64) - 1) for g in got] == [_splitmix64_reference(v & ((1 << 64) - 1)) for v in values]
+
+
+def test_row_uniforms_are_the_hash_of_seed_row_and_step():
+    """The table drawn once per call holds, at (i, t), the uniform of (seed, rows[i], t):
+    53 bits of splitmix64(splitmix64(seed ^ row) + t), centred in its bin."""
+    seed, rows, steps = (1 << 61) + 12345, [0, 7, 1 << 40], 5
+    got = row_uniforms(seed, torch.tensor(rows), steps)
+    m = (1 << 64) - 1
+    for i, row in enumerate(rows):
+        for t in range(steps):
+            bits = _splitmix64_reference((_splitmix64_reference(seed ^ row) + t) & m)
+            assert got[i, t].item() == ((bits >> 11) + 0.5) / 2**53
 
 
 def test_a_rows_samples_do_not_depend_on_its_batch_chunk_or_position(tiny_model_dir):

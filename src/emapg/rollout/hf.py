@@ -79,9 +79,11 @@ def splitmix64(x: Tensor) -> Tensor:
     return x ^ _shift(x, 31)
 
 
-def row_uniforms(seed: int, rows: Tensor, step: int) -> Tensor:
-    """One uniform draw in (0, 1) per row, a pure function of (seed, row, step)."""
-    bits = splitmix64(splitmix64(torch.tensor(seed, device=rows.device) ^ rows) + step)
+def row_uniforms(seed: int, rows: Tensor, steps: int) -> Tensor:
+    """Uniform draws in (0, 1), [len(rows), steps]: entry (i, t) is a pure function of
+    (seed, rows[i], t). Drawn for all steps at once: hashing per step costs ~30 small ops."""
+    t = torch.arange(steps, device=rows.device)
+    bits = splitmix64(splitmix64(torch.tensor(seed, device=rows.device) ^ rows).unsqueeze(-1) + t)
     return (_shift(bits, 11).double() + 0.5) / float(1 << 53)  # 53 random bits, never 0 or 1
 
 
@@ -90,8 +92,9 @@ class _RowSampler(LogitsProcessor):
     by inverting its CDF at the row's own uniform; returns scores whose argmax is that token,
     so generate runs greedy and never touches the global random stream."""
 
-    def __init__(self, temperature: float, top_p: float, seed: int, rows: Tensor):
-        self.temperature, self.seed, self.rows, self.step = temperature, seed, rows, 0
+    def __init__(self, temperature: float, top_p: float, seed: int, rows: Tensor, steps: int):
+        self.temperature, self.step = temperature, 0
+        self.uniforms = row_uniforms(seed, rows, steps)
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
@@ -99,7 +102,7 @@ class _RowSampler(LogitsProcessor):
         if self.top_p is not None:
             scores = self.top_p(input_ids, scores)
         cdf = torch.softmax(scores.double(), -1).cumsum(-1)
-        u = row_uniforms(self.seed, self.rows, self.step).unsqueeze(-1)
+        u = self.uniforms[:, self.step : self.step + 1]
         self.step += 1
         # The first token whose CDF reaches u (tokens of probability 0 never do).
         token = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp(max=scores.shape[-1] - 1)
@@ -204,7 +207,7 @@ def generate_from_ids(
         processors = [recorder]
         if not greedy:
             rows = torch.arange(first_row + a, first_row + a + ids.shape[0], device=device)
-            processors.append(_RowSampler(temperature, top_p, seed, rows))
+            processors.append(_RowSampler(temperature, top_p, seed, rows, max_new_tokens))
         ends = _EndTracker(prompt_len, ids.shape[0], eos, tokenizer, list(stop), device)
         out = model.generate(
             input_ids=ids,

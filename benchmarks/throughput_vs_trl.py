@@ -62,7 +62,7 @@ def reset_peak_rss() -> float:
 def extra_chars(n: int) -> str:
     """n distinct characters from U+4E00 (CJK) on, surrogates skipped: pads the vocabulary."""
     codes = (c for c in range(0x4E00, 0x110000) if not 0xD800 <= c < 0xE000)
-    return "".join(chr(next(codes)) for _ in range(max(0, n)))
+    return "".join(chr(next(codes)) for _ in range(n))
 
 
 def run_emapg(model_dir: str, args, out: str, round_: int) -> dict:
@@ -234,6 +234,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step of each run is a warm-up)")
+    base_vocab = len(build_tiny_tokenizer())
+    if args.vocab and args.vocab < base_vocab:
+        parser.error(f"--vocab {args.vocab}: must be at least the tiny tokenizer's {base_vocab} (or 0)")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(THREADS)
@@ -242,7 +245,7 @@ def main() -> None:
                           min_digits=cfg.task.min_digits, max_digits=cfg.task.max_digits)  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         model_dir = os.path.join(out, "model")
-        tokenizer = build_tiny_tokenizer(extra_chars=extra_chars(args.vocab - len(build_tiny_tokenizer())))
+        tokenizer = build_tiny_tokenizer(extra_chars=extra_chars(args.vocab - base_vocab))
         model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
                                  max_position_embeddings=128)  # fmt: skip
         model.save_pretrained(model_dir)

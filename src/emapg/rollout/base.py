@@ -1,10 +1,25 @@
-"""What every rollout engine returns, and how prompts become model input."""
+"""The rollout engine interface: what an engine is given, what it returns, and prompt helpers.
+
+An engine samples responses to token-id prompts and records, per response token, what the
+trainer's KL needs from the sampling pass (the sampled token's log-prob and the top-k ids of
+the sampling distribution). The trainer builds one engine per run and owns it:
+
+    engine.sync_weights(model, version)   # before sampling: the engine follows the policy
+    rollout = engine.sample(prompt_ids, SamplingParams(...), rows=...)
+    engine.close()                        # at the end of the run
+
+`rollout/hf.py` (transformers generate) and `rollout/vllm.py` (colocated vLLM) implement it;
+`rollout/multiturn.py` drives any engine through multi-turn episodes with an environment.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 
@@ -29,21 +44,92 @@ class Rollout:
     def responses(self) -> Tensor:
         return self.sequences[:, self.prompt_len :]
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """This batch with every tensor on `device`."""
+        return Rollout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()})
 
-def format_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str], chat_template: bool
-) -> tuple[list[str], bool]:
-    """Wrap each prompt as a user turn when the tokenizer has a chat template.
-
-    Returns the texts and whether tokenizing them should add special tokens: a chat
-    template already writes its own (BOS included), a plain prompt needs the tokenizer's.
-    """
-    if not (chat_template and getattr(tokenizer, "chat_template", None)):
-        return prompts, True
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+    def select(self, rows: Tensor) -> Rollout:
+        """The rows `rows` (a 1-D index tensor) of this batch."""
+        return Rollout(
+            sequences=self.sequences[rows],
+            attention_mask=self.attention_mask[rows],
+            prompt_len=self.prompt_len,
+            response_mask=self.response_mask[rows],
+            sampling_logp=self.sampling_logp[rows],
+            topk_ids=self.topk_ids[rows],
+            entropy=self.entropy[rows],
+            texts=[self.texts[i] for i in rows.tolist()],
         )
-        for p in prompts
-    ]
-    return texts, False
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response per prompt."""
+
+    max_new_tokens: int  # response length limit in tokens
+    temperature: float = 1.0  # the sampling policy is softmax(logits / temperature)
+    top_p: float = 1.0  # nucleus sampling (the recorded log-probs stay the untruncated policy's)
+    greedy: bool = False  # argmax decoding; temperature then only shapes the recorded log-probs
+    topk: int = 0  # top-k ids of the sampling distribution to record per token (0: none)
+    stop: tuple[str, ...] = ()  # strings that end a response besides EOS (kept in the response)
+    seed: int | None = None  # call seed of the row noise; None: drawn from torch's global generator
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Samples responses with the current policy; see the module doc for the call order."""
+
+    def sample(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, rows: Sequence[int] | None = None
+    ) -> Rollout:
+        """One response per prompt (repeat a prompt for a group). `rows[i]` is prompt i's global
+        row index (default 0..N-1): a row's samples depend on (seed, row, step) only, so a rank
+        that samples its slice of a batch draws what one process would draw for those rows."""
+        ...
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Make the engine sample from `model`'s current weights; `version` counts weight
+        updates, so an engine that copies weights skips the copy when nothing changed."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds (memory, processes)."""
+        ...
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], chat_template: bool = True
+) -> list[list[int]]:
+    """Token ids of each prompt as the model sees it before its response.
+
+    With a chat template (and `chat_template` True) a prompt is one user turn plus the
+    generation prompt, and the template writes its own special tokens (BOS included);
+    without one it is the plain text with the tokenizer's special tokens.
+    """
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return tokenizer(list(prompts))["input_ids"]
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token-id rows -> left-padded ids [N, W] and attention mask [N, W] (1 on real tokens)."""
+    width = max(map(len, rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, width - len(r) :] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def eos_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a response: the generation config's EOS ids and the tokenizer's."""
+    config = getattr(model, "generation_config", None)
+    ids = getattr(config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))

@@ -10,6 +10,8 @@ from torch import nn
 from emapg import distributed
 from emapg.errors import EmapgError
 
+KINDS = ("ema", "frozen", "none")  # anchor.kind: an EMA of the policy, the frozen start, no anchor
+
 
 class Anchor:
     """pi_ref for the KL term.

@@ -17,13 +17,24 @@ from pathlib import Path
 
 import yaml
 
+from emapg import kl
+from emapg.advantages import MODES as ADVANTAGES
+from emapg.anchor import KINDS as ANCHORS
 from emapg.errors import EmapgError
+from emapg.policy_loss import AGGREGATIONS
+from emapg.rewards import ISOLATION
+from emapg.rollout import ENGINES
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
-def _f(default, help: str, **kw):
+def _f(default, help: str, choices: tuple[str, ...] = ()):
+    """A config field: its default, one line of help, and for a name its valid values."""
+    metadata = {"help": help, "choices": choices}
     if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -31,7 +42,7 @@ class ModelConfig:
     path: str = _f(
         "builtin:tiny", "causal LM: a local directory or HF cache name, or builtin:tiny (warm-started)"
     )
-    dtype: str = _f("float32", "parameter dtype: float32, bfloat16 or float16")
+    dtype: str = _f("float32", "parameter dtype", DTYPES)
     chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
 
 
@@ -47,7 +58,9 @@ class WarmStartConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arithmetic", "task: arithmetic, math or search (settings in the retriever section)")
+    name: str = _f(
+        "arithmetic", "a registered task (emapg.tasks.register_task); search's settings: the retriever section"
+    )
     seed: int = _f(1234, "seed of the generated data (independent of train.seed)")
     num_train: int = _f(4000, "training problems")
     num_eval: int = _f(200, "held-out problems for eval/accuracy")
@@ -63,7 +76,7 @@ class TaskConfig:
     )
     reward_timeout_s: float = _f(10.0, "time limit of one score call; past it the response gets reward 0")
     reward_isolation: str = _f(
-        "auto", "auto (a worker process unless the task's scorer is declared safe), process or inline"
+        "auto", "auto: a worker process unless the task declares score_is_safe; process; inline", ISOLATION
     )
 
 
@@ -76,9 +89,7 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling; < 1 samples from a truncated policy (see rollout/hf.py)")
     stop: list = _f([], "stop strings that end a response (besides EOS)")
     batch_size: int = _f(256, "sequences per generate call")
-    engine: str = _f(
-        "hf", "hf (transformers generate) or vllm (colocated vLLM: pip install 'emapg[vllm]', CUDA)"
-    )
+    engine: str = _f("hf", "hf (transformers generate) or vllm (colocated vLLM, see docs/vllm.md)", ENGINES)
     vllm_gpu_memory_utilization: float = _f(0.3, "share of GPU memory vLLM may take (engine=vllm)")
 
 
@@ -93,20 +104,20 @@ class OptimConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage: str = _f("grpo", "grpo (std-normalised), drgrpo (no std) or batch_std")
+    advantage: str = _f("grpo", "grpo (std-normalised), drgrpo (no std) or batch_std", ADVANTAGES)
     clip_low: float = _f(0.2, "PPO ratio clip below: 1 - clip_low")
     clip_high: float = _f(0.2, "PPO ratio clip above: 1 + clip_high")
     epochs: int = _f(1, "passes over each rollout batch")
     minibatches: int = _f(1, "optimiser steps per epoch (the batch is split this many ways)")
     micro_batch_size: int = _f(64, "sequences per forward/backward (gradient accumulation)")
-    loss_aggregation: str = _f("token_mean", "token_mean or seq_mean")
+    loss_aggregation: str = _f("token_mean", "every token weighs the same, or every sequence", AGGREGATIONS)
 
 
 @dataclass
 class KLConfig:
     beta: float = _f(1e-3, "KL coefficient; 0 turns the KL off and builds no anchor")
-    estimator: str = _f("topk", "k1 k2 k3 k3pp k4 k5 exact topk topk_paper truncated")
-    direction: str = _f("reverse", "reverse KL(pi||ref) or forward KL(ref||pi)")
+    estimator: str = _f("topk", "token-level KL estimator (docs/design.md has the table)", kl.ESTIMATORS)
+    direction: str = _f("reverse", "reverse KL(pi||ref) or forward KL(ref||pi)", kl.DIRECTIONS)
     k: int = _f(32, "top-k set size for the top-k estimators")
     importance_weight: bool = _f(True, "weight off-policy samples by pi/pi_sampling (tail only for top-k)")
     iw_clip: list = _f([], "optional [s_min, s_max] bounds on the importance weight")
@@ -114,7 +125,7 @@ class KLConfig:
 
 @dataclass
 class AnchorConfig:
-    kind: str = _f("ema", "ema, frozen (eta = 1) or none (needs kl.beta = 0)")
+    kind: str = _f("ema", "ema, frozen (eta = 1) or none (needs kl.beta = 0)", ANCHORS)
     eta: float = _f(0.9, "EMA decay: anchor <- eta * anchor + (1 - eta) * policy")
     update_period: int = _f(10, "optimiser steps between EMA updates")
 
@@ -132,7 +143,7 @@ class TrainConfig:
         5, "stop after this many optimiser steps in a row with a non-finite loss/gradient"
     )
     threads: int = _f(0, "torch CPU threads; 0 leaves torch's default")
-    device: str = _f("auto", "auto, cpu or cuda")
+    device: str = _f("auto", "auto: cuda when available, else cpu", DEVICES)
     tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
     wandb: bool = _f(False, "log to Weights & Biases (needs wandb)")
     progress: bool = _f(True, "show a progress bar")
@@ -267,7 +278,6 @@ def _check(ok: bool, message: str) -> None:
 def _check_engine(cfg: Config) -> None:
     """rollout.engine=vllm: what it supports (see rollout/vllm.py), checked before any import."""
     r = cfg.rollout
-    _check(r.engine in ("hf", "vllm"), f"rollout.engine: unknown {r.engine!r}; expected hf or vllm")
     if r.engine != "vllm":
         return
     _check(0 < r.vllm_gpu_memory_utilization < 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1)")
@@ -298,15 +308,29 @@ def _exists(path: str, file: bool = False) -> bool:
     return found.is_file() if file else found.exists()
 
 
+def _check_choices(cfg: Config) -> None:
+    """Every field with named values holds one of them."""
+    for section in dataclasses.fields(Config):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            choices = f.metadata["choices"]
+            value = getattr(values, f.name)
+            _check(
+                not choices or value in choices,
+                f"{section.name}.{f.name}: unknown {value!r}{_suggest(str(value), choices)}; "
+                f"expected one of {', '.join(choices)}",
+            )
+
+
 def validate(cfg: Config) -> None:
     """Ranges and combinations, each failure one line naming the field."""
-    from emapg import kl  # late: kl pulls torch, config should stay light to import
+    from emapg.tasks import task_names  # late: user code may register tasks after importing config
 
+    _check_choices(cfg)
     _check(
         _numbers(cfg.optim.betas) and len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
         f"optim.betas must be two numbers in [0, 1); got {cfg.optim.betas!r:.80}",
     )
-    _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype: unknown {cfg.model.dtype!r}")
     _check(cfg.rollout.group_size >= 1, "rollout.group_size must be >= 1")
     _check(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     _check(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
@@ -314,10 +338,6 @@ def validate(cfg: Config) -> None:
     _check(0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _check(all(isinstance(s, str) and s for s in cfg.rollout.stop), "rollout.stop must be non-empty strings")
     _check_engine(cfg)
-    _check(
-        cfg.algo.advantage in ("grpo", "drgrpo", "batch_std"),
-        f"algo.advantage: unknown {cfg.algo.advantage!r}",
-    )
     _check(
         cfg.algo.advantage == "drgrpo" or cfg.rollout.group_size >= 2,
         f"rollout.group_size=1 has no group std for algo.advantage={cfg.algo.advantage!r}; use drgrpo",
@@ -335,10 +355,6 @@ def validate(cfg: Config) -> None:
         batch % cfg.algo.minibatches == 0,
         f"algo.minibatches={cfg.algo.minibatches} must divide the {batch} sequences",
     )
-    _check(
-        cfg.algo.loss_aggregation in ("token_mean", "seq_mean"),
-        f"algo.loss_aggregation: unknown {cfg.algo.loss_aggregation!r}",
-    )
     _check(cfg.kl.beta >= 0, "kl.beta must be >= 0")
     kl.check_estimator(cfg.kl.estimator, cfg.kl.direction)
     _check(cfg.kl.k >= 0, "kl.k must be >= 0")
@@ -347,7 +363,6 @@ def validate(cfg: Config) -> None:
         cfg.kl.iw_clip == [] or (len(cfg.kl.iw_clip) == 2 and 0 <= cfg.kl.iw_clip[0] <= cfg.kl.iw_clip[1]),
         f"kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max; got {cfg.kl.iw_clip}",
     )
-    _check(cfg.anchor.kind in ("ema", "frozen", "none"), f"anchor.kind: unknown {cfg.anchor.kind!r}")
     _check(0 <= cfg.anchor.eta <= 1, f"anchor.eta must be in [0, 1]; got {cfg.anchor.eta}")
     _check(cfg.anchor.update_period >= 1, "anchor.update_period must be >= 1")
     _check(
@@ -364,10 +379,6 @@ def validate(cfg: Config) -> None:
     _check(cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
     _check(cfg.train.max_bad_steps >= 1, "train.max_bad_steps must be >= 1")
     _check(cfg.task.reward_timeout_s > 0, "task.reward_timeout_s must be > 0")
-    _check(
-        cfg.task.reward_isolation in ("auto", "process", "inline"),
-        f"task.reward_isolation: unknown {cfg.task.reward_isolation!r}; expected auto, process or inline",
-    )
     r = cfg.retriever
     _check(r.topk >= 1 and r.max_turns >= 1, "retriever.topk and retriever.max_turns must be >= 1")
     _check(0 <= r.format_reward < 1, "retriever.format_reward must be in [0, 1)")
@@ -379,10 +390,10 @@ def validate(cfg: Config) -> None:
     for key in ("train_file", "eval_file", "corpus"):
         f = getattr(r, key)
         _check(not f or Path(f).expanduser().is_file(), f"retriever.{key}: {f!r} does not exist")
-    _check(cfg.train.device in ("auto", "cpu", "cuda"), f"train.device: unknown {cfg.train.device!r}")
     _check(
-        cfg.task.name in ("arithmetic", "math", "search"),
-        f"task.name: unknown {cfg.task.name!r}; available: arithmetic, math, search",
+        cfg.task.name in task_names(),
+        f"task.name: unknown {cfg.task.name!r}{_suggest(cfg.task.name, task_names())}; "
+        f"registered: {', '.join(task_names())}",
     )
     for key in ("train_files", "eval_files"):
         for f in getattr(cfg.task, key):
@@ -431,5 +442,6 @@ def help_text() -> str:
         lines.append(f"{section.name}:")
         for f in dataclasses.fields(section.default_factory()):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {section.name}.{f.name} = {default!r}  -- {f.metadata['help']}")
+            choices = f" [{' | '.join(f.metadata['choices'])}]" if f.metadata["choices"] else ""
+            lines.append(f"  {section.name}.{f.name} = {default!r}  -- {f.metadata['help']}{choices}")
     return "\n".join(lines)

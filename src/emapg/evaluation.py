@@ -1,10 +1,13 @@
-"""`emapg eval`: sample n responses per math problem, grade them, report accuracy and pass@k.
+"""Sampling and scoring held-out examples, and `emapg eval`.
 
-Accuracy is pass@1 averaged over the n samples (what the paper reports); pass@k uses the
-unbiased estimator of Chen et al. (2021), 1 - C(n - c, k) / C(n, k) for c correct of n.
-Responses come from the training rollout engine (format_prompts + emapg.rollout.hf.generate)
-and are graded by the training reward (emapg.tasks.math.score, in a worker process with a
-time limit). Writes <out>/results.json (the figures) and <out>/responses.jsonl (every response).
+`sample_and_score` is the one evaluation path: the trainer's eval/accuracy, the warm start's
+stopping test and `emapg eval` all sample through a rollout engine and score through the
+guarded reward scorer with it.
+
+`emapg eval` samples n responses per math problem, grades them, and reports accuracy and
+pass@k. Accuracy is pass@1 averaged over the n samples (what the paper reports); pass@k uses
+the unbiased estimator of Chen et al. (2021), 1 - C(n - c, k) / C(n, k) for c correct of n.
+Writes <out>/results.json (the figures) and <out>/responses.jsonl (every response).
 """
 
 from __future__ import annotations
@@ -18,11 +21,32 @@ from tqdm.auto import tqdm
 
 from emapg.errors import EmapgError
 from emapg.models import load_model_and_tokenizer
-from emapg.rewards import RewardScorer
-from emapg.rollout import format_prompts
-from emapg.rollout.hf import generate
+from emapg.rewards import RewardScorer, Scored
+from emapg.rollout import Rollout, RolloutEngine, SamplingParams, eos_ids
+from emapg.rollout.hf import HFEngine
+from emapg.rollout.multiturn import sample_examples
+from emapg.tasks.base import Example, Task
 from emapg.tasks.math import PROMPT, MathTask
 from emapg.tasks.math_data import load_problems
+
+
+def sample_and_score(
+    engine: RolloutEngine,
+    tokenizer,
+    task: Task,
+    examples: list[Example],
+    scorer: RewardScorer,
+    params: SamplingParams,
+    *,
+    chat_template: bool,
+    eos: list[int],
+    rows: list[int] | None = None,
+) -> tuple[Rollout, Scored]:
+    """One response per example (through the task's environment when it has one), scored."""
+    batch = sample_examples(
+        engine, tokenizer, task, examples, params, chat_template=chat_template, eos=eos, rows=rows
+    )
+    return batch, scorer(batch.texts, examples)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -100,7 +124,7 @@ def evaluate(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {"model": model_path, "settings": vars(settings), "datasets": {}}
-    torch.manual_seed(settings.seed)
+    torch.manual_seed(settings.seed)  # each data file's engine calls draw their seeds from here
     with (out / "responses.jsonl").open("w") as log:
         for name, (f, problems) in datasets.items():
             task = MathTask([], problems, prompt=settings.prompt)
@@ -114,17 +138,17 @@ def evaluate(
 def _sample(model, tokenizer, task: MathTask, scorer: RewardScorer, s: EvalSettings, log):
     """n graded responses per problem, written to `log` as they come; per-problem scores, lengths."""
     examples = task.eval_examples()
-    per_call = max(1, s.batch_size // s.n)  # problems per generate call
+    engine, eos = HFEngine(model, tokenizer, batch_size=s.batch_size), eos_ids(model, tokenizer)
+    params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)
+    per_call = max(1, s.batch_size // s.n)  # problems per engine call
     scores, lengths = [], []
     for a in tqdm(range(0, len(examples), per_call), desc=examples[0].meta["source"], dynamic_ncols=True):
         chunk = [e for e in examples[a : a + per_call] for _ in range(s.n)]
-        prompts, special = format_prompts(tokenizer, [e.prompt for e in chunk], s.chat_template)
-        batch = generate(
-            model, tokenizer, prompts, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-            top_p=s.top_p, batch_size=s.batch_size, add_special_tokens=special,
+        batch, scored = sample_and_score(
+            engine, tokenizer, task, chunk, scorer, params, chat_template=s.chat_template, eos=eos,
+            rows=list(range(a * s.n, a * s.n + len(chunk))),
         )  # fmt: skip
-        rewards = scorer(batch.texts, chunk).rewards
-        tokens = batch.response_mask.sum(1).tolist()
+        rewards, tokens = scored.rewards, batch.response_mask.sum(1).tolist()
         for i, (e, text) in enumerate(zip(chunk, batch.texts, strict=True)):
             record = {
                 "dataset": e.meta["source"], "problem": e.meta["index"], "sample": i % s.n,

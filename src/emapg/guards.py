@@ -15,24 +15,24 @@ from emapg.errors import EmapgError
 log = logging.getLogger("emapg")
 
 
-def step_is_finite(state: dict, loss: float, grad_norm: float, max_bad_steps: int) -> bool:
+def step_is_finite(state, loss: float, grad_norm: float, max_bad_steps: int) -> bool:
     """Whether to take the optimiser step; counts skipped steps in `state` (saved with checkpoints).
 
-    state["skipped_steps"]: all skipped so far; state["bad_in_row"]: the current run of them.
+    state.skipped_steps: all skipped so far; state.bad_in_row: the current run of them.
     Raises EmapgError at `max_bad_steps` in a row.
     """
     if math.isfinite(loss) and math.isfinite(grad_norm):
-        state["bad_in_row"] = 0
+        state.bad_in_row = 0
         return True
-    state["skipped_steps"] = state.get("skipped_steps", 0) + 1
-    state["bad_in_row"] = state.get("bad_in_row", 0) + 1
-    if state["bad_in_row"] >= max_bad_steps:
+    state.skipped_steps += 1
+    state.bad_in_row += 1
+    if state.bad_in_row >= max_bad_steps:
         raise EmapgError(
-            f"{state['bad_in_row']} optimiser steps in a row had a non-finite loss or gradient "
+            f"{state.bad_in_row} optimiser steps in a row had a non-finite loss or gradient "
             f"(train.max_bad_steps={max_bad_steps}); stopped, the last checkpoint is the last good state"
         )
     log.warning(
         "non-finite loss (%s) or gradient norm (%s): optimiser step skipped (%d in a row, %d in all)",
-        loss, grad_norm, state["bad_in_row"], state["skipped_steps"],
+        loss, grad_norm, state.bad_in_row, state.skipped_steps,
     )  # fmt: skip
     return False

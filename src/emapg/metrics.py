@@ -1,4 +1,5 @@
-"""Metrics: one JSON object per line in metrics.jsonl, flushed per step; TensorBoard and W&B."""
+"""Run logs: one JSON object per line in metrics.jsonl (per step) and samples.jsonl (a few
+responses per evaluation), flushed as written; TensorBoard and W&B mirror the metrics."""
 
 from __future__ import annotations
 
@@ -9,18 +10,51 @@ from pathlib import Path
 from emapg.errors import EmapgError
 
 
+class JsonLines:
+    """An append-only jsonl file of records with a "step"; on resume, records past the resumed
+    step (and a torn last line) are dropped first, so a killed run never leaves duplicates."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is not None:
+            self._truncate_after(resume_step)
+        elif path.exists():
+            path.unlink()  # a fresh run replaces an old run of the same name
+        self.file = path.open("a")
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def write(self, records: list[dict]) -> None:
+        self.file.write("".join(json.dumps(r) + "\n" for r in records))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class MetricsLog:
-    """Appends records to `<run>/metrics.jsonl` and mirrors them to the optional backends."""
+    """Appends records to `<run>/metrics.jsonl` and sampled responses to `<run>/samples.jsonl`,
+    and mirrors the metrics to the optional backends."""
 
     def __init__(
         self, run_dir: Path, *, resume_step: int | None, tensorboard: bool, wandb: bool, config: dict
     ):
-        self.path = run_dir / "metrics.jsonl"
-        if resume_step is not None:
-            self._truncate_after(resume_step)
-        elif self.path.exists():
-            self.path.unlink()  # a fresh run replaces an old run of the same name
-        self.file = self.path.open("a")
+        self.metrics = JsonLines(run_dir / "metrics.jsonl", resume_step)
+        self.samples = JsonLines(run_dir / "samples.jsonl", resume_step)
         self.tb = None
         if tensorboard:
             try:
@@ -37,26 +71,8 @@ class MetricsLog:
                 raise EmapgError("train.wandb=true needs wandb: pip install wandb") from None
             self.wandb = wandb_module.init(project="emapg", name=run_dir.name, config=config, resume="allow")
 
-    def _truncate_after(self, step: int) -> None:
-        """Drop records past the resumed checkpoint and any torn last line (atomic rewrite)."""
-        if not self.path.exists():
-            return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("step", 0) <= step:
-                kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, self.path)
-
     def log(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        self.metrics.write([record])
         step = record["step"]
         if self.tb is not None:
             for key, value in record.items():
@@ -65,8 +81,12 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(record, step=step)
 
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        self.samples.write([{"step": step, **s} for s in samples])
+
     def close(self) -> None:
-        self.file.close()
+        self.metrics.close()
+        self.samples.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

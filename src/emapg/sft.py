@@ -1,4 +1,4 @@
-"""Supervised warm start, accuracy helpers, and a cached warm start for the built-in tiny model.
+"""Supervised fine-tuning, and the cached warm start of the built-in tiny model.
 
 RL needs a policy that already succeeds sometimes: a short SFT on prompt+answer pairs gives a
 tiny model that is right on part of the held-out problems, so GRPO-style groups carry signal.
@@ -19,30 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from emapg.errors import EmapgError
+from emapg.evaluation import sample_and_score
 from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.rewards import RewardScorer
+from emapg.rollout import SamplingParams, encode_prompts, eos_ids
+from emapg.rollout.hf import HFEngine
 from emapg.tasks.base import Example, Task
 
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
 # Bump when the warm-start recipe changes, so stale caches are not reused.
-WARM_START_VERSION = 1
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    """Token ids of a prompt as the model sees it before its response.
-
-    With a chat template the prompt is one user turn plus the generation prompt; without one it
-    is the plain text with the tokenizer's own special tokens (e.g. BOS).
-    """
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
+WARM_START_VERSION = 2  # 2: the stopping test samples through the rollout engine
 
 
 def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
@@ -55,24 +46,20 @@ def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -
     """
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise EmapgError("sft: the tokenizer needs an eos_token and a pad_token")
-    rows: list[tuple[list[int], list[int]]] = []
-    for ex in examples:
-        p = prompt_ids(tokenizer, ex.prompt)
+    all_ids, all_labels = [], []
+    for ex, p in zip(examples, encode_prompts(tokenizer, [ex.prompt for ex in examples]), strict=True):
         ids, labels = list(p), [IGNORE_INDEX] * len(p)
         for text, learn in ex.meta.get("segments", [(ex.answer, True)]):
             part = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids += part
             labels += part if learn else [IGNORE_INDEX] * len(part)
-        rows.append((ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]))
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, lab) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, : len(lab)] = torch.tensor(lab)
-        attention_mask[i, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        all_ids.append(torch.tensor(ids + [tokenizer.eos_token_id]))
+        all_labels.append(torch.tensor(labels + [tokenizer.eos_token_id]))
+    return {
+        "input_ids": pad_sequence(all_ids, batch_first=True, padding_value=tokenizer.pad_token_id),
+        "attention_mask": pad_sequence([torch.ones_like(i) for i in all_ids], batch_first=True),
+        "labels": pad_sequence(all_labels, batch_first=True, padding_value=IGNORE_INDEX),
+    }
 
 
 def sft(
@@ -141,117 +128,10 @@ def sft(
     return losses
 
 
-@torch.inference_mode()
-def generate_responses(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str],
-    *,
-    num_samples: int = 1,
-    temperature: float = 0.0,
-    max_new_tokens: int = 8,
-    batch_size: int = 512,
-    seed: int = 0,
-) -> list[list[str]]:
-    """`num_samples` responses per prompt (greedy when temperature == 0), decoded without specials.
-
-    Prompts are left-padded by hand, so the tokenizer's padding side does not matter. Sampling
-    is pure: temperature only, no top-k or top-p truncation, seeded without touching global RNG.
-    """
-    if temperature == 0 and num_samples != 1:
-        raise EmapgError("generate_responses: greedy decoding gives one response per prompt")
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sampling = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
-    )
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        num_return_sequences=num_samples,
-        pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        **sampling,
-    )
-    was_training = model.training
-    model.eval()
-    per_batch = max(1, batch_size // num_samples)
-    out: list[list[str]] = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        for start in range(0, len(prompts), per_batch):
-            ids = [prompt_ids(tokenizer, p) for p in prompts[start : start + per_batch]]
-            width = max(len(x) for x in ids)
-            input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(ids), width), dtype=torch.long)
-            for i, x in enumerate(ids):
-                input_ids[i, width - len(x) :] = torch.tensor(x)
-                mask[i, width - len(x) :] = 1
-            seqs = model.generate(
-                input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=config
-            )
-            texts = tokenizer.batch_decode(seqs[:, width:], skip_special_tokens=True)
-            out.extend(texts[i : i + num_samples] for i in range(0, len(texts), num_samples))
-    model.train(was_training)
-    return out
-
-
 def _default_max_new_tokens(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> int:
     # Room for the longest answer, its EOS and one token of slack; longer output cannot score.
     longest = max(len(tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) for ex in examples)
     return longest + 2
-
-
-def greedy_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    examples: Sequence[Example] | None = None,
-    *,
-    max_new_tokens: int | None = None,
-    batch_size: int = 512,
-) -> float:
-    """Mean `task.score` of greedy responses on `examples` (default: the task's eval set)."""
-    examples = list(task.eval_examples() if examples is None else examples)
-    max_new_tokens = max_new_tokens or _default_max_new_tokens(tokenizer, examples)
-    responses = generate_responses(
-        model, tokenizer, [ex.prompt for ex in examples], max_new_tokens=max_new_tokens, batch_size=batch_size
-    )
-    return sum(task.score(r[0], ex) for r, ex in zip(responses, examples, strict=True)) / len(examples)
-
-
-def sampled_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    examples: Sequence[Example] | None = None,
-    *,
-    num_samples: int = 8,
-    temperature: float = 1.0,
-    seed: int = 0,
-    max_new_tokens: int | None = None,
-    batch_size: int = 512,
-) -> dict[str, float]:
-    """Sampled accuracy: {"accuracy": mean score over all samples, "pass_at_n": fraction of
-    prompts with at least one sample scoring 1, "n": num_samples}."""
-    examples = list(task.eval_examples() if examples is None else examples)
-    max_new_tokens = max_new_tokens or _default_max_new_tokens(tokenizer, examples)
-    responses = generate_responses(
-        model,
-        tokenizer,
-        [ex.prompt for ex in examples],
-        num_samples=num_samples,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        seed=seed,
-    )
-    scores = [[task.score(r, ex) for r in rs] for rs, ex in zip(responses, examples, strict=True)]
-    return {
-        "accuracy": sum(map(sum, scores)) / (len(examples) * num_samples),
-        "pass_at_n": sum(max(s) >= 1.0 for s in scores) / len(examples),
-        "n": float(num_samples),
-    }
 
 
 DEFAULT_MODEL_KWARGS: dict[str, Any] = {}
@@ -297,8 +177,7 @@ def warm_start(
     resolved_sft = _with_defaults(
         sft, sft_kwargs, skip=("model", "tokenizer", "examples", "stop", "progress")
     )
-    # A task whose responses are not plain answers (multi-turn search) supplies demonstrations.
-    examples = task.sft_examples() if hasattr(task, "sft_examples") else task.train_examples()
+    examples = task.sft_examples()
     tokenizer_kwargs = {k: v for k, v in (tokenizer_kwargs or {}).items() if v}
     if target_accuracy is not None and len(examples) <= num_val:
         raise EmapgError(f"warm_start: num_val={num_val} needs more than {len(examples)} training examples")
@@ -331,12 +210,23 @@ def warm_start(
     if target_accuracy is not None:
         examples, val = examples[:-num_val], examples[-num_val:]
 
-        def stop(step: int) -> bool:
-            acc = sampled_accuracy(model, tokenizer, task, val, num_samples=2, temperature=1.0, seed=0)
-            val_history.append((step, acc["accuracy"]))
-            return acc["accuracy"] >= target_accuracy
+        val = [e for e in val for _ in range(2)]  # two samples per problem
+        engine, eos = HFEngine(model, tokenizer, batch_size=512), eos_ids(model, tokenizer)
+        params = SamplingParams(max_new_tokens=_default_max_new_tokens(tokenizer, val), seed=0)
+        scorer = RewardScorer(task, timeout_s=10.0)
 
-    losses = sft(model, tokenizer, examples, stop=stop, progress=progress, **sft_kwargs)
+        def stop(step: int) -> bool:
+            _, scored = sample_and_score(
+                engine, tokenizer, task, val, scorer, params, chat_template=True, eos=eos
+            )
+            val_history.append((step, sum(scored.rewards) / len(val)))
+            return val_history[-1][1] >= target_accuracy
+
+    try:
+        losses = sft(model, tokenizer, examples, stop=stop, progress=progress, **sft_kwargs)
+    finally:
+        if stop is not None:
+            scorer.close()
     if progress and val_history:
         tqdm.write(
             f"warm start: {len(losses)} SFT steps, held-out sampled accuracy {val_history[-1][1]:.2f} "

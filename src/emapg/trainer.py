@@ -1,9 +1,10 @@
 """The EMA-PG training loop: rollout, reward, advantages, anchor pass, PPO update, EMA step.
 
-Read top to bottom: `train` is the whole loop; the helpers above it are the passes. The
-algorithms themselves are pure functions in kl.py, topk.py, advantages.py, policy_loss.py
-and anchor.py. Memory: between passes only per-token summaries travel (the sampled token's
-log-prob, k top-k ids, k anchor log-probs); no [tokens, vocab] tensor is ever stored.
+Read bottom up: `train` is the whole loop, `setup` builds what it runs on, and the helpers
+above them are the passes. The algorithms themselves are pure functions in kl.py, topk.py,
+advantages.py, policy_loss.py and anchor.py. Memory: between passes only per-token summaries
+travel (the sampled token's log-prob, k top-k ids, k anchor log-probs); no [tokens, vocab]
+tensor is ever stored.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import inspect
 import math
 import random
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -26,13 +28,15 @@ from emapg.advantages import group_advantages
 from emapg.anchor import Anchor
 from emapg.config import Config, to_dict, validate_world
 from emapg.errors import EmapgError
+from emapg.evaluation import sample_and_score
 from emapg.guards import step_is_finite
 from emapg.metrics import MetricsLog
 from emapg.models import load_model_and_tokenizer
 from emapg.policy_loss import aggregate, aggregation_total, ppo_clip
 from emapg.rewards import RewardScorer
-from emapg.rollout import Rollout, format_prompts
-from emapg.rollout.hf import generate
+from emapg.rollout import Rollout, RolloutEngine, SamplingParams, encode_prompts, eos_ids
+from emapg.rollout.multiturn import sample_examples
+from emapg.tasks import make_task
 from emapg.tasks.base import Example, Task
 
 # ---------------------------------------------------------------------------------------------
@@ -86,18 +90,8 @@ class AnchorView:
     ref_logp: Tensor  # [N, L]
     ref_head_logp: Tensor  # [N, L, k]
 
-
-def _slice(batch: Rollout, rows: Tensor) -> Rollout:
-    return Rollout(
-        sequences=batch.sequences[rows],
-        attention_mask=batch.attention_mask[rows],
-        prompt_len=batch.prompt_len,
-        response_mask=batch.response_mask[rows],
-        sampling_logp=batch.sampling_logp[rows],
-        topk_ids=batch.topk_ids[rows],
-        entropy=batch.entropy[rows],
-        texts=[batch.texts[i] for i in rows.tolist()],
-    )
+    def select(self, rows: Tensor) -> AnchorView:
+        return AnchorView(self.head_ids[rows], self.ref_logp[rows], self.ref_head_logp[rows])
 
 
 def _head_ids(cfg: Config, batch: Rollout, vocab: int) -> Tensor | None:
@@ -117,7 +111,7 @@ def anchor_pass(cfg: Config, anchor: Anchor, batch: Rollout, vocab: int) -> Anch
     head_ids = _head_ids(cfg, batch, vocab)
     views = []
     for rows in torch.arange(len(batch.texts)).split(cfg.algo.micro_batch_size):
-        part = _slice(batch, rows)
+        part = batch.select(rows)
         if head_ids is None:  # forward top-k: q is the anchor's own top-k
             s = response_summary(
                 anchor.model, part, tokens[rows], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
@@ -152,31 +146,69 @@ def token_losses(cfg: Config, model, part: Rollout, advantages: Tensor, ref: Anc
     return pg, kl_tok, clipped
 
 
-def update(
-    cfg: Config, model, optimizer, scheduler, anchor: Anchor | None, batch: Rollout, advantages, ref, state
-):
+@dataclass
+class TrainerState:
+    """The loop's counters and figures, saved with every checkpoint (state.json "trainer")."""
+
+    optimizer_steps: int = 0
+    skipped_steps: int = 0  # optimiser steps skipped for a non-finite loss or gradient
+    bad_in_row: int = 0  # the current run of skipped steps
+    accuracy_before: float | None = None
+    accuracy: float | None = None
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> TrainerState:
+        """From a checkpoint's dict; older checkpoints may lack the newer counters."""
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+
+
+class PhaseTimer:
+    """Wall seconds per phase of a step; a phase timed inside another counts only as itself."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._inner = [0.0]  # per open phase: seconds spent in phases nested inside it
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        self._inner.append(0.0)
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + took - self._inner.pop()
+            self._inner[-1] += took
+
+
+def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None, timer: PhaseTimer) -> dict:
     """PPO epochs over minibatches, micro-batched; the EMA anchor steps after optimiser steps.
 
     With several processes `batch` is this rank's slice of the global batch: the permutation is
     drawn over the global batch (the same random stream as one process), each rank takes its
     rows, and the loss is divided by the global total, so the summed gradients are one process's.
     """
+    cfg, model, state = run.cfg, run.model, run.state
     sums = {"loss/policy": 0.0, "kl/value": 0.0, "clip_frac": 0.0}
-    count, grad_norms, ema_seconds = 0.0, [], 0.0
+    count, grad_norms = 0.0, []
     local = len(batch.texts)
     first = distributed.rank() * local
     for _ in range(cfg.algo.epochs):
         for rows_mb in torch.randperm(local * distributed.world()).chunk(cfg.algo.minibatches):
             rows_mb = rows_mb[(rows_mb >= first) & (rows_mb < first + local)] - first
-            mask_mb = batch.response_mask[rows_mb]
-            total = aggregation_total(mask_mb, cfg.algo.loss_aggregation, reduce=distributed.sum_one)
-            optimizer.zero_grad(set_to_none=True)
+            total = aggregation_total(
+                batch.response_mask[rows_mb], cfg.algo.loss_aggregation, reduce=distributed.sum_one
+            )
+            run.optimizer.zero_grad(set_to_none=True)
             minibatch_loss = 0.0
             for rows in rows_mb.split(cfg.algo.micro_batch_size):
                 mask = batch.response_mask[rows]
-                ref_part = None if ref is None else AnchorView(*(t[rows] for t in vars(ref).values()))
                 pg, kl_tok, clipped = token_losses(
-                    cfg, model, _slice(batch, rows), advantages[rows], ref_part
+                    cfg,
+                    model,
+                    batch.select(rows),
+                    advantages[rows],
+                    None if ref is None else ref.select(rows),
                 )
                 loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
                 loss = aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total)
@@ -193,17 +225,16 @@ def update(
             if not step_is_finite(state, minibatch_loss, grad_norm, cfg.train.max_bad_steps):
                 continue  # weights, optimiser moments, scheduler and anchor stay as they were
             grad_norms.append(grad_norm)
-            optimizer.step()
-            scheduler.step()
-            state["optimizer_steps"] += 1
-            if anchor is not None:
-                t = time.perf_counter()
-                anchor.step(model, state["optimizer_steps"])
-                ema_seconds += time.perf_counter() - t
+            run.optimizer.step()
+            run.scheduler.step()
+            state.optimizer_steps += 1
+            if run.anchor is not None:
+                with timer("ema"):
+                    run.anchor.step(model, state.optimizer_steps)
     *totals, count = distributed.sum_all(*sums.values(), count)
     stats = {k: v / max(count, 1.0) for k, v in zip(sums, totals, strict=True)}
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
-    return stats, ema_seconds
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,87 +270,61 @@ class PromptSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def rollout_engine(task: Task, cfg: Config):
-    """The task's own rollout function when it has one (multi-turn search), else rollout.engine."""
-    if hasattr(task, "generate"):
-        return task.generate
-    if cfg.rollout.engine == "vllm":
-        from emapg.rollout.vllm import engine_for  # late: only this engine imports vllm
-
-        return engine_for(cfg)
-    return generate
-
-
 def task_metrics(task: Task, texts: list[str], examples: list[Example], prefix: str = "") -> dict:
-    """Figures a task reports beside the reward (e.g. search/calls_mean), when it has any: means
-    over the responses, so the global figure weighs each rank's by its number of responses."""
-    found = task.metrics(texts, examples) if hasattr(task, "metrics") else {}
+    """Figures a task reports beside the reward (e.g. search/calls_mean): means over the
+    responses, so the global figure weighs each rank's by its number of responses."""
+    found = task.metrics(texts, examples)
     *sums, n = distributed.sum_all(*(v * len(texts) for v in found.values()), len(texts))
     return {prefix + k: v / n for k, v in zip(found, sums, strict=True)}
 
 
-def evaluate(
-    cfg: Config, model, tokenizer, task: Task, examples: list[Example], scorer: RewardScorer
-) -> tuple[float, dict]:
+def sampling_params(cfg: Config, *, topk: int = 0, greedy: bool = False, seed: int | None = None):
+    return SamplingParams(
+        max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        greedy=greedy, topk=topk, stop=tuple(cfg.rollout.stop), seed=seed,
+    )  # fmt: skip
+
+
+SAMPLES_PER_EVAL = 4  # responses written to samples.jsonl at each evaluation
+
+
+def evaluate(run: Run, step: int) -> tuple[float, dict]:
     """Held-out accuracy: mean reward over `eval.samples` responses per problem (pass@1), or
-    of one greedy response, and the task's eval/ metrics. Sampling draws from a private
-    generator, so evaluating never changes the training run's random stream. Rewards go
-    through the same guarded `scorer` as training, so a hostile reward cannot crash it.
-    With several processes each rank samples its slice (the last one padded with repeats, so
-    all run the same forwards) and the figures are reduced over the real rows."""
+    of one greedy response, and the task's eval/ metrics. Sampling has its own seed, so
+    evaluating never changes the training run's random stream, and rewards go through the
+    same guarded scorer as training. With several processes each rank samples its slice (the
+    last one padded with repeats, so all run the same forwards) and the figures are reduced
+    over the real rows. A few responses go to samples.jsonl."""
+    cfg = run.cfg
     n = 1 if cfg.eval.greedy else cfg.eval.samples
-    examples = [e for e in examples for _ in range(n)]
+    examples = [e for e in run.eval_examples for _ in range(n)]
     per = -(-len(examples) // distributed.world())
     first = distributed.rank() * per
     real = max(0, min(per, len(examples) - first))  # rows of this slice that are not padding
     mine = (examples + examples[-1:] * (per * distributed.world() - len(examples)))[first : first + per]
-    prompts, special = format_prompts(tokenizer, [e.prompt for e in mine], cfg.model.chat_template)
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.train.seed + 1)
-        out = rollout_engine(task, cfg)(
-            model,
-            tokenizer,
-            prompts,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            greedy=cfg.eval.greedy,
-            stop=cfg.rollout.stop,
-            batch_size=cfg.eval.batch_size,
-            add_special_tokens=special,
-            first_row=first,
-        )
-    texts, mine = out.texts[:real], mine[:real]
-    correct, total = distributed.sum_all(sum(scorer(texts, mine).rewards), real)
-    return correct / total, task_metrics(task, texts, mine, "eval/")
+    run.engine.sync_weights(run.model, run.state.optimizer_steps)
+    batch, scored = sample_and_score(
+        run.engine, run.tokenizer, run.task, mine, run.scorer,
+        sampling_params(cfg, greedy=cfg.eval.greedy, seed=cfg.train.seed + 1), chat_template=cfg.model.chat_template,
+        eos=run.eos, rows=list(range(first, first + per)),
+    )  # fmt: skip
+    texts, rewards, mine = batch.texts[:real], scored.rewards[:real], mine[:real]
+    if run.log:
+        run.log.log_samples(step, [
+            {"prompt": e.prompt, "response": t, "reward": r, "answer": e.answer}
+            for e, t, r in list(zip(mine, texts, rewards, strict=True))[:: max(1, n)][:SAMPLES_PER_EVAL]
+        ])  # fmt: skip
+    correct, total = distributed.sum_all(sum(rewards), real)
+    return correct / total, task_metrics(run.task, texts, mine, "eval/")
 
 
 # ---------------------------------------------------------------------------------------------
 # Set-up
 
 
-def make_task(cfg: Config) -> Task:
-    from emapg.tasks.arithmetic import ArithmeticTask
-
-    t = cfg.task
-    if t.name == "search":
-        from emapg.tasks import search
-
-        return search.from_config(cfg)
-    if t.name == "math":
-        from emapg.tasks import math as math_task  # not the stdlib math this module uses
-
-        return math_task.from_config(cfg)
-    return ArithmeticTask(
-        seed=t.seed,
-        num_train=t.num_train,
-        num_eval=t.num_eval,
-        min_digits=t.min_digits,
-        max_digits=t.max_digits,
-    )
-
-
 def load_policy(cfg: Config, task: Task, progress: bool):
+    """The policy model and tokenizer, and the directory they load from (builtin:tiny: the
+    cached warm start, built first when missing)."""
     dtype = getattr(torch, cfg.model.dtype)
     path = cfg.model.path
     if path == "builtin:tiny":
@@ -333,11 +338,11 @@ def load_policy(cfg: Config, task: Task, progress: bool):
                 task=task,
                 sft_kwargs=sft_kwargs,
                 model_kwargs=w.model_kwargs,
-                tokenizer_kwargs={"extra_chars": getattr(task, "tiny_extra_chars", "")},
+                tokenizer_kwargs={"extra_chars": task.tiny_extra_chars},
                 target_accuracy=w.target_accuracy or None,
                 progress=progress and distributed.is_main(),
             )
-    return load_model_and_tokenizer(path, dtype=dtype)
+    return (*load_model_and_tokenizer(path, dtype=dtype), str(path))
 
 
 def check_context(cfg: Config, model, tokenizer, examples: list[Example]) -> None:
@@ -345,8 +350,9 @@ def check_context(cfg: Config, model, tokenizer, examples: list[Example]) -> Non
     limit = getattr(model.config, "max_position_embeddings", None)
     if not limit or not examples:
         return
-    prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=special)["input_ids"]]
+    lengths = [
+        len(ids) for ids in encode_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
+    ]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + cfg.rollout.max_new_tokens > limit:
         raise EmapgError(
@@ -363,6 +369,130 @@ def _device(cfg: Config) -> torch.device:
     return torch.device(cfg.train.device)
 
 
+def make_engine(cfg: Config, model, tokenizer, model_dir: str) -> RolloutEngine:
+    """The rollout engine `rollout.engine` names, sampling from `model`."""
+    if cfg.rollout.engine == "vllm":
+        from emapg.rollout.vllm import VllmEngine  # late: only this engine imports vllm
+
+        return VllmEngine(cfg)
+    from emapg.rollout.hf import HFEngine
+
+    return HFEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+
+
+CHECKPOINT_FORMAT = 2  # 2: trainer state as TrainerState; 1 (no "format" key): the same fields
+
+
+@dataclass
+class Run:
+    """Everything the loop runs on, built once by `setup`."""
+
+    cfg: Config
+    task: Task
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    model: nn.Module
+    tokenizer: object
+    eos: list[int]
+    vocab: int
+    engine: RolloutEngine
+    scorer: RewardScorer
+    anchor: Anchor | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: PromptSampler
+    run_dir: Path
+    log: MetricsLog | None  # rank 0 alone writes the run's files
+    start: int = 0  # the step a resumed run continues after
+    state: TrainerState = field(default_factory=TrainerState)
+
+    def save(self, step: int) -> None:
+        extra = {
+            "format": CHECKPOINT_FORMAT,
+            "trainer": asdict(self.state),
+            "sampler": self.sampler.state(),
+            "anchor": self.anchor.state_dict() if self.anchor else None,
+        }
+        checkpoint.save(
+            self.run_dir / "checkpoints", step, policy=self.model, tokenizer=self.tokenizer, anchor=self.anchor,
+            optimizer=self.optimizer, scheduler=self.scheduler, state=extra, keep=self.cfg.train.keep_checkpoints,
+        )  # fmt: skip
+
+    def resume(self, path: Path) -> None:
+        saved = checkpoint.load(
+            path, policy=self.model, anchor=self.anchor, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        if saved.get("format", 1) not in (1, CHECKPOINT_FORMAT):
+            raise EmapgError(
+                f"checkpoint {path} has format {saved['format']}; this emapg resumes formats 1 to {CHECKPOINT_FORMAT}"
+            )
+        self.start, self.state = saved["step"], TrainerState.from_dict(saved["trainer"])
+        self.sampler.load(saved["sampler"])
+        if self.anchor is not None:
+            self.anchor.load_state_dict(saved["anchor"])
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
+        self.scorer.close()
+        self.engine.close()
+
+
+def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
+    """Task, policy, engine, anchor, optimiser, data and log, restored from the last
+    checkpoint when resuming. Every check that can fail runs before any training."""
+    validate_world(cfg, distributed.world())
+    hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
+    run_dir = Path(cfg.train.output_dir) / cfg.train.name
+    ckpt_dir = run_dir / "checkpoints"
+    if distributed.is_main():
+        checkpoint.remove_partial(ckpt_dir)
+    distributed.barrier()
+    last = checkpoint.list_checkpoints(ckpt_dir)[-1:] if resume else []
+    if resume and not last:
+        raise EmapgError(f"--resume: no complete checkpoint under {ckpt_dir}")
+    torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed)
+
+    task = make_task(cfg)
+    train_examples, eval_examples = task.train_examples(), task.eval_examples()
+    if not eval_examples:
+        raise EmapgError(f"task {task.name!r} has no evaluation examples")
+    scorer = RewardScorer(task, timeout_s=cfg.task.reward_timeout_s, isolation=cfg.task.reward_isolation)
+    model, tokenizer, model_dir = load_policy(cfg, task, cfg.train.progress and distributed.is_main())
+    check_context(cfg, model, tokenizer, train_examples + eval_examples)
+    engine = make_engine(cfg, model, tokenizer, model_dir)  # a missing vLLM stops here, before training
+    model.to(device).train()
+    # No anchor model at all without a KL; an EMA with eta = 1 is the frozen reference.
+    anchor = None
+    if cfg.anchor.kind != "none":
+        eta = 1.0 if cfg.anchor.kind == "frozen" else cfg.anchor.eta
+        anchor = Anchor(model, eta, cfg.anchor.update_period)
+        distributed.shard(anchor.model)
+    distributed.shard(model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+    )
+    warmup = max(cfg.optim.warmup_steps, 1)
+    run = Run(
+        cfg=cfg, task=task, train_examples=train_examples, eval_examples=eval_examples, model=model,
+        tokenizer=tokenizer, eos=eos_ids(model, tokenizer), vocab=model.get_output_embeddings().weight.shape[0],
+        engine=engine, scorer=scorer, anchor=anchor, optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)),
+        sampler=PromptSampler(train_examples, cfg.train.seed), run_dir=run_dir, log=None,
+    )  # fmt: skip
+    if last:
+        run.resume(last[0])
+    if distributed.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        run.log = MetricsLog(
+            run_dir, resume_step=run.start if last else None, tensorboard=cfg.train.tensorboard,
+            wandb=cfg.train.wandb, config=to_dict(cfg),
+        )  # fmt: skip
+    return run
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop
 
@@ -376,128 +506,56 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         torch.set_num_threads(cfg.train.threads)
     device = distributed.init(_device(cfg))
     try:
-        return _train(cfg, resume, device)
+        run = setup(cfg, resume, device)
+        try:
+            return train_loop(run)
+        finally:
+            run.close()
     finally:
         distributed.close()
 
 
-def _train(cfg: Config, resume: bool, device: torch.device) -> dict:
-    validate_world(cfg, distributed.world())
-    main = distributed.is_main()
-    hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
-    run_dir = Path(cfg.train.output_dir) / cfg.train.name
-    ckpt_dir = run_dir / "checkpoints"
-    if main:
-        checkpoint.remove_partial(ckpt_dir)
-    distributed.barrier()
-    last = checkpoint.list_checkpoints(ckpt_dir)[-1:] if resume else []
-    if resume and not last:
-        raise EmapgError(f"--resume: no complete checkpoint under {ckpt_dir}")
-    torch.manual_seed(cfg.train.seed)
-    random.seed(cfg.train.seed)
-    show = cfg.train.progress and main
-
-    task = make_task(cfg)
-    train_examples, eval_examples = task.train_examples(), task.eval_examples()
-    if not eval_examples:
-        raise EmapgError(f"task {task.name!r} has no evaluation examples")
-    rollout_engine(task, cfg)  # builds a vLLM engine now: a missing vLLM or GPU stops before any work
-    scorer = RewardScorer(task, timeout_s=cfg.task.reward_timeout_s, isolation=cfg.task.reward_isolation)
-    model, tokenizer = load_policy(cfg, task, show)
-    check_context(cfg, model, tokenizer, train_examples + eval_examples)
-    model.to(device).train()
-    # No anchor model at all without a KL; an EMA with eta = 1 is the frozen reference.
-    anchor = None
-    if cfg.anchor.kind != "none":
-        eta = 1.0 if cfg.anchor.kind == "frozen" else cfg.anchor.eta
-        anchor = Anchor(model, eta, cfg.anchor.update_period)
-        distributed.shard(anchor.model)
-    distributed.shard(model)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
-    )
-    warmup = max(cfg.optim.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    sampler = PromptSampler(train_examples, cfg.train.seed)
-    state = {
-        "optimizer_steps": 0,
-        "skipped_steps": 0,
-        "bad_in_row": 0,
-        "accuracy_before": None,
-        "accuracy": None,
-    }
-    start = 0
-    if last:
-        saved = checkpoint.load(
-            last[0], policy=model, anchor=anchor, optimizer=optimizer, scheduler=scheduler
-        )
-        start, state = saved["step"], saved["trainer"]
-        sampler.load(saved["sampler"])
-        if anchor is not None:
-            anchor.load_state_dict(saved["anchor"])
-    log = None  # rank 0 writes the run's files
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        log = MetricsLog(
-            run_dir,
-            resume_step=start if last else None,
-            tensorboard=cfg.train.tensorboard,
-            wandb=cfg.train.wandb,
-            config=to_dict(cfg),
-        )
-    vocab = model.get_output_embeddings().weight.shape[0]
-
-    def save(step: int) -> None:
-        extra = {
-            "trainer": state,
-            "sampler": sampler.state(),
-            "anchor": anchor.state_dict() if anchor else None,
-        }
-        checkpoint.save(
-            ckpt_dir, step, policy=model, tokenizer=tokenizer, anchor=anchor, optimizer=optimizer,
-            scheduler=scheduler, state=extra, keep=cfg.train.keep_checkpoints,
-        )  # fmt: skip
-
-    if start == 0:
-        state["accuracy_before"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples, scorer)
-        state["accuracy"] = state["accuracy_before"]
-        if log:
-            log.log({"step": 0, "eval/accuracy": state["accuracy"], **eval_metrics})
+def train_loop(run: Run) -> dict:
+    cfg, state, model = run.cfg, run.state, run.model
+    if run.start == 0:
+        state.accuracy_before, eval_metrics = evaluate(run, 0)
+        state.accuracy = state.accuracy_before
+        if run.log:
+            run.log.log({"step": 0, "eval/accuracy": state.accuracy, **eval_metrics})
+    reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and run.anchor is not None
+    params = sampling_params(cfg, topk=min(cfg.kl.k, run.vocab) if reverse_topk else 0)
     bar = tqdm(
-        range(start + 1, cfg.train.steps + 1),
-        desc=cfg.train.name,
-        disable=not show,
-        initial=start,
-        total=cfg.train.steps,
-    )
+        range(run.start + 1, cfg.train.steps + 1), desc=cfg.train.name, initial=run.start,
+        total=cfg.train.steps, disable=not (cfg.train.progress and distributed.is_main()),
+    )  # fmt: skip
     for step in bar:
-        times = {}
-        t = time.perf_counter()
-        examples = [
-            e for e in sampler.take(cfg.rollout.prompts_per_step) for _ in range(cfg.rollout.group_size)
-        ]
-        rows = distributed.shard_rows(len(examples))  # whole groups: prompts_per_step % world == 0
-        examples = examples[rows]
-        prompts, special = format_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
-        reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and anchor is not None
-        batch = rollout_engine(task, cfg)(
-            model, tokenizer, prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p, topk=min(cfg.kl.k, vocab) if reverse_topk else 0, stop=cfg.rollout.stop,
-            batch_size=cfg.rollout.batch_size, add_special_tokens=special, first_row=rows.start,
-        )  # fmt: skip
-        times["rollout"], t = time.perf_counter() - t, time.perf_counter()
+        timer = PhaseTimer()
+        with timer("rollout"):
+            examples = [
+                e
+                for e in run.sampler.take(cfg.rollout.prompts_per_step)
+                for _ in range(cfg.rollout.group_size)
+            ]
+            rows = distributed.shard_rows(len(examples))  # whole groups: prompts_per_step % world == 0
+            examples = examples[rows]
+            run.engine.sync_weights(model, state.optimizer_steps)
+            batch = sample_examples(
+                run.engine, run.tokenizer, run.task, examples, params, chat_template=cfg.model.chat_template,
+                eos=run.eos, rows=range(rows.start, rows.stop),
+            ).to(next(model.parameters()).device)  # fmt: skip
 
-        scored = scorer(batch.texts, examples)
-        rewards = torch.tensor(scored.rewards)
-        advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage).to(device)
-        times["scoring"], t = time.perf_counter() - t, time.perf_counter()
+        with timer("scoring"):
+            scored = run.scorer(batch.texts, examples)
+            rewards = torch.tensor(scored.rewards)
+            advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage).to(
+                rewards.device
+            )
 
-        ref = anchor_pass(cfg, anchor, batch, vocab) if anchor is not None else None
-        times["anchor"], t = time.perf_counter() - t, time.perf_counter()
+        with timer("anchor"):
+            ref = anchor_pass(cfg, run.anchor, batch, run.vocab) if run.anchor is not None else None
 
-        stats, times["ema"] = update(cfg, model, optimizer, scheduler, anchor, batch, advantages, ref, state)
-        times["update"] = time.perf_counter() - t - times["ema"]
+        with timer("update"):
+            stats = update(run, batch, advantages.to(batch.sequences.device), ref, timer)
 
         mask = batch.response_mask
         reward_sum, errors, timeouts, entropy_sum, tokens, n = distributed.sum_all(
@@ -509,33 +567,28 @@ def _train(cfg: Config, resume: bool, device: torch.device) -> dict:
             "reward/mean": reward_sum / n,
             "reward/errors": int(errors),
             "reward/timeouts": int(timeouts),
-            "train/skipped_steps": state.get("skipped_steps", 0),  # absent in older checkpoints
+            "train/skipped_steps": state.skipped_steps,
             **stats,
             "entropy": entropy_sum / max(tokens, 1.0),
             "response_length/mean": tokens / n,
-            **task_metrics(task, batch.texts, examples),
-            "anchor/updates": anchor.updates if anchor else 0,
-            "lr": scheduler.get_last_lr()[0],
-            **{f"time/{k}_s": v for k, v in times.items()},
-            "time/step_s": sum(times.values()),
+            **task_metrics(run.task, batch.texts, examples),
+            "anchor/updates": run.anchor.updates if run.anchor else 0,
+            "lr": run.scheduler.get_last_lr()[0],
+            **{f"time/{k}_s": v for k, v in timer.seconds.items()},
+            "time/step_s": sum(timer.seconds.values()),
         }
         if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-            state["accuracy"], eval_metrics = evaluate(cfg, model, tokenizer, task, eval_examples, scorer)
-            record.update({"eval/accuracy": state["accuracy"], **eval_metrics})
-        if log:
-            log.log(record)
+            state.accuracy, eval_metrics = evaluate(run, step)
+            record.update({"eval/accuracy": state.accuracy, **eval_metrics})
+        if run.log:
+            run.log.log(record)
         bar.set_postfix(
-            reward=f"{record['reward/mean']:.3f}",
-            kl=f"{record['kl/value']:.2e}",
-            acc=f"{state['accuracy']:.3f}",
+            reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl/value']:.2e}", acc=f"{state.accuracy:.3f}"
         )
         if step % cfg.train.save_every == 0 or step == cfg.train.steps:
-            save(step)
-    if log:
-        log.close()
-    scorer.close()
+            run.save(step)
     return {
-        "run_dir": str(run_dir),
-        "accuracy_before": state["accuracy_before"],
-        "accuracy_after": state["accuracy"],
+        "run_dir": str(run.run_dir),
+        "accuracy_before": state.accuracy_before,
+        "accuracy_after": state.accuracy,
     }

@@ -1,5 +1,7 @@
 """Rollout engines: sample responses and record what the KL needs from the sampling pass."""
 
-from emapg.rollout.base import Rollout, format_prompts
+from emapg.rollout.base import Rollout, RolloutEngine, SamplingParams, encode_prompts, eos_ids, left_pad
 
-__all__ = ["Rollout", "format_prompts"]
+ENGINES = ("hf", "vllm")
+
+__all__ = ["ENGINES", "Rollout", "RolloutEngine", "SamplingParams", "encode_prompts", "eos_ids", "left_pad"]

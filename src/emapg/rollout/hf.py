@@ -1,4 +1,4 @@
-"""Rollouts through Hugging Face `generate` with the KV cache.
+"""The Hugging Face rollout engine: `generate` with the KV cache.
 
 The sampling log-probs, entropy and top-k ids are recorded in the same pass that samples, by
 a logits processor that sees the raw logits of every step (it runs before `_RowSampler`, which
@@ -17,6 +17,8 @@ call seed comes from torch's global generator, so `torch.manual_seed` still gove
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from transformers import (
@@ -29,7 +31,7 @@ from transformers import (
 )
 
 from emapg import distributed
-from emapg.rollout.base import Rollout
+from emapg.rollout.base import Rollout, SamplingParams, eos_ids, left_pad
 
 
 class _SamplingRecorder(LogitsProcessor):
@@ -127,126 +129,97 @@ class _EndTracker(StoppingCriteria):
         return self.length >= 0
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted(set(ids) | {tokenizer.eos_token_id})
+class HFEngine:
+    """The rollout engine on Hugging Face `generate` with the KV cache (see the module doc).
 
-
-@torch.no_grad()
-def generate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    topk: int = 0,
-    stop: list[str] = (),
-    batch_size: int = 256,
-    add_special_tokens: bool = True,
-    first_row: int = 0,
-) -> Rollout:
-    """Sample one response per prompt (repeat prompts for groups), batch_size at a time.
-
-    Pass prompts through `format_prompts` first, with the `add_special_tokens` it returns.
-    `first_row`: the global index of prompts[0] when a rank generates its slice of a batch;
-    a row's sampling noise depends on its global index only.
+    It samples with the live policy module itself, so `sync_weights` only points it at the
+    model it is given and copies nothing.
     """
-    enc = tokenizer(
-        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=add_special_tokens
-    )
-    return generate_from_ids(
-        model, tokenizer, enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, greedy=greedy, topk=topk, stop=stop, batch_size=batch_size,
-        first_row=first_row,
-    )  # fmt: skip
 
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_size: int = 256):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
 
-@torch.no_grad()
-def generate_from_ids(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    topk: int = 0,
-    stop: list[str] = (),
-    batch_size: int = 256,
-    first_row: int = 0,
-) -> Rollout:
-    """`generate` for prompts already tokenized and left-padded ([N, P] ids and attention mask).
+    def sync_weights(self, model: PreTrainedModel, version: int) -> None:
+        self.model = model
 
-    Multi-turn rollouts continue from token ids, so no decode/re-encode round trip can change
-    a token the policy sampled.
-    """
-    device = next(model.parameters()).device
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    prompt_len = prompt_ids.shape[1]
-    eos = _eos_ids(model, tokenizer)
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,  # argmax of _RowSampler's scores when sampling
-        top_k=None,  # GenerationConfig's default top_k=50 would be one more warper
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-    )
-    seed = None if greedy else int(torch.randint(0, 1 << 62, ()))
-    was_training = model.training
-    model.eval()
-    parts = []
-    for a in range(0, prompt_ids.shape[0], batch_size):
-        ids, mask = prompt_ids[a : a + batch_size], prompt_mask[a : a + batch_size]
-        recorder = _SamplingRecorder(temperature, topk)
-        processors = [recorder]
-        if not greedy:
-            rows = torch.arange(first_row + a, first_row + a + ids.shape[0], device=device)
-            processors.append(_RowSampler(temperature, top_p, seed, rows, max_new_tokens))
-        ends = _EndTracker(prompt_len, ids.shape[0], eos, tokenizer, list(stop), device)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            generation_config=config,
-            logits_processor=processors,
-            stopping_criteria=[ends],
-            synced_gpus=distributed.world() > 1,  # FSDP: every rank runs each forward until all end
+    def close(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        rows: Sequence[int] | None = None,
+    ) -> Rollout:
+        model, tokenizer = self.model, self.tokenizer
+        device = next(model.parameters()).device
+        rows = (
+            torch.arange(len(prompt_ids)) if rows is None else torch.as_tensor(list(rows), dtype=torch.long)
         )
-        logp, top, entropy = recorder.finish(out[:, -1])
-        length = torch.where(ends.length < 0, out.shape[1] - prompt_len, ends.length)
-        parts.append((out[:, prompt_len:], logp, top, entropy, length))
-    model.train(was_training)
+        prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
+        prompt_ids, prompt_mask, rows = prompt_ids.to(device), prompt_mask.to(device), rows.to(device)
+        prompt_len = prompt_ids.shape[1]
+        eos = eos_ids(model, tokenizer)
+        config = GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=False,  # argmax of _RowSampler's scores when sampling
+            top_k=None,  # GenerationConfig's default top_k=50 would be one more warper
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos,
+        )
+        seed = params.seed
+        if seed is None and not params.greedy:
+            seed = int(torch.randint(0, 1 << 62, ()))
+        was_training = model.training
+        model.eval()
+        parts = []
+        for a in range(0, prompt_ids.shape[0], self.batch_size):
+            ids, mask = prompt_ids[a : a + self.batch_size], prompt_mask[a : a + self.batch_size]
+            recorder = _SamplingRecorder(params.temperature, params.topk)
+            processors = [recorder]
+            if not params.greedy:
+                processors.append(
+                    _RowSampler(params.temperature, params.top_p, seed, rows[a : a + self.batch_size],
+                                params.max_new_tokens)
+                )  # fmt: skip
+            ends = _EndTracker(prompt_len, ids.shape[0], eos, tokenizer, list(params.stop), device)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=config,
+                logits_processor=processors,
+                stopping_criteria=[ends],
+                synced_gpus=distributed.world() > 1,  # FSDP: every rank runs each forward until all end
+            )
+            logp, top, entropy = recorder.finish(out[:, -1])
+            length = torch.where(ends.length < 0, out.shape[1] - prompt_len, ends.length)
+            parts.append((out[:, prompt_len:], logp, top, entropy, length))
+        model.train(was_training)
 
-    width = max(p[0].shape[1] for p in parts)
-    responses = torch.cat([_pad(p[0], width, tokenizer.pad_token_id) for p in parts])
-    logp, top, entropy = (torch.cat([_pad(p[i], width, 0) for p in parts]) for i in (1, 2, 3))
-    lengths = torch.cat([p[4] for p in parts])
-    response_mask = torch.arange(width, device=device) < lengths.unsqueeze(1)
-    responses = responses.masked_fill(~response_mask, tokenizer.pad_token_id)
-    texts = [
-        tokenizer.decode(r[:n], skip_special_tokens=True)
-        for r, n in zip(responses, lengths.tolist(), strict=True)
-    ]
-    return Rollout(
-        sequences=torch.cat([prompt_ids, responses], 1),
-        attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
-        prompt_len=prompt_len,
-        response_mask=response_mask,
-        sampling_logp=logp.masked_fill(~response_mask, 0.0),
-        topk_ids=top,
-        entropy=entropy.masked_fill(~response_mask, 0.0),
-        texts=texts,
-    )
+        width = max(p[0].shape[1] for p in parts)
+        responses = torch.cat([_pad_right(p[0], width, tokenizer.pad_token_id) for p in parts])
+        logp, top, entropy = (torch.cat([_pad_right(p[i], width, 0) for p in parts]) for i in (1, 2, 3))
+        lengths = torch.cat([p[4] for p in parts])
+        response_mask = torch.arange(width, device=device) < lengths.unsqueeze(1)
+        responses = responses.masked_fill(~response_mask, tokenizer.pad_token_id)
+        texts = [
+            tokenizer.decode(r[:n], skip_special_tokens=True)
+            for r, n in zip(responses, lengths.tolist(), strict=True)
+        ]
+        return Rollout(
+            sequences=torch.cat([prompt_ids, responses], 1),
+            attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
+            prompt_len=prompt_len,
+            response_mask=response_mask,
+            sampling_logp=logp.masked_fill(~response_mask, 0.0),
+            topk_ids=top,
+            entropy=entropy.masked_fill(~response_mask, 0.0),
+            texts=texts,
+        )
 
 
-def _pad(x: Tensor, width: int, value) -> Tensor:
-    """Right-pad dim 1 to `width`."""
-    if x.shape[1] == width:
-        return x
-    shape = (x.shape[0], width - x.shape[1], *x.shape[2:])
-    return torch.cat([x, x.new_full(shape, value)], 1)
+def _pad_right(x: Tensor, width: int, value) -> Tensor:
+    """Right-pad dim 1 of [N, L, ...] to `width` (torch's pad counts dims from the last)."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]), value=value)

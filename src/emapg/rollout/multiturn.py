@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from emapg.rollout.base import Rollout, RolloutEngine, SamplingParams, left_pad
+from emapg.rollout.base import Rollout, RolloutEngine, SamplingParams, encode_prompts, left_pad
 
 
 @runtime_checkable
@@ -103,7 +103,9 @@ def run_episodes(
             if text is None:
                 continue
             ep = episodes[i]
-            inserted = tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens - len(ep.ids)]
+            inserted = tokenizer(text, add_special_tokens=False)["input_ids"][
+                : params.max_new_tokens - len(ep.ids)
+            ]
             ep.add(inserted, False, [0.0] * len(inserted), torch.zeros(len(inserted), k, dtype=torch.long),
                    [0.0] * len(inserted))  # fmt: skip
             if len(ep.ids) < params.max_new_tokens:
@@ -138,3 +140,24 @@ def _to_rollout(tokenizer, prompt_ids: Sequence[Sequence[int]], episodes: list[_
         entropy=entropy,
         texts=[tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes],
     )
+
+
+def sample_examples(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    task,
+    examples: Sequence,
+    params: SamplingParams,
+    *,
+    chat_template: bool,
+    eos: Sequence[int],
+    rows: Sequence[int] | None = None,
+) -> Rollout:
+    """One response per example (repeat an example for a group): a single turn, or multi-turn
+    episodes when the task has an environment. `rows` as in `RolloutEngine.sample`."""
+    prompts = [e.prompt for e in examples]
+    prompt_ids = encode_prompts(tokenizer, prompts, chat_template)
+    env = task.environment()
+    if env is None:
+        return engine.sample(prompt_ids, params, rows=rows)
+    return run_episodes(engine, env, tokenizer, prompts, prompt_ids, params, eos=eos, rows=rows)

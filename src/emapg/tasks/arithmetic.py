@@ -10,12 +10,12 @@ import random
 from collections.abc import Sequence
 
 from emapg.errors import EmapgError
-from emapg.tasks.base import Example
+from emapg.tasks.base import Example, Task
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-class ArithmeticTask:
+class ArithmeticTask(Task):
     """Random problems `a op b =`, each operand with `min_digits..max_digits` digits.
 
     The digit count of each operand is drawn uniformly first, then the operand uniformly among

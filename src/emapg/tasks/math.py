@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from emapg.errors import EmapgError
-from emapg.tasks.base import Example
+from emapg.tasks.base import Example, Task
 from emapg.tasks.math_data import Problem, load_problems
 from emapg.tasks.math_grader import BOXED, has_boxed_answer, score
 
@@ -29,7 +29,7 @@ def example(problem: Problem, prompt: str = PROMPT) -> Example:
     return Example(prompt.replace("{question}", problem.question), problem.reference, meta)
 
 
-class MathTask:
+class MathTask(Task):
     """Problems with references; `score` is 1.0 for an equivalent last boxed answer, else
     `format_reward` for a response that has a closed `\\boxed{...}`, else 0.0.
 

@@ -1,6 +1,6 @@
 """Question answering with a search engine (Search-R1): the built-in world or Search-R1 parquet data.
 
-The policy's response is a multi-turn episode (emapg.search.rollout); the reward is exact match
+The policy's response is a multi-turn episode (emapg.rollout.multiturn with emapg.search.environment); the reward is exact match
 of its final `<answer>` with any gold answer after SQuAD normalisation, optionally
 `format_reward` for a well-formed but wrong answer.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 from emapg.errors import EmapgError
 from emapg.search import world as synthetic
 from emapg.search.answers import ANSWER, INFORMATION, exact_match, f1, last_tag
+from emapg.search.environment import SearchEnvironment, information_block
 from emapg.search.retriever import Retriever
-from emapg.search.rollout import information_block, search_rollout
-from emapg.tasks.base import Example
+from emapg.tasks.base import Example, Task
 
 # Search-R1's instruction, in our words, for pretrained models on real data.
 INSTRUCTION = (
@@ -62,7 +62,7 @@ def load_parquet(path: str) -> list[dict]:
     return rows
 
 
-class SearchTask:
+class SearchTask(Task):
     name = "search"
     score_is_safe = True  # string matching: no worker process needed
     tiny_extra_chars = "<>"  # the tags need them in the built-in character tokenizer
@@ -111,18 +111,8 @@ class SearchTask:
                 groups[f"search/calls_mean/{ex.meta['hops']}hop"].append(searches)
         return {k: sum(v) / len(v) for k, v in groups.items()}
 
-    def generate(self, model, tokenizer, prompts, **kwargs):
-        """The rollout engine of this task: multi-turn search episodes (same arguments as
-        emapg.rollout.hf.generate)."""
-        return search_rollout(
-            model,
-            tokenizer,
-            prompts,
-            self.retriever,
-            docs_per_search=self.topk,
-            max_turns=self.max_turns,
-            **kwargs,
-        )
+    def environment(self) -> SearchEnvironment:
+        return SearchEnvironment(self.retriever, docs_per_search=self.topk, max_turns=self.max_turns)
 
     def sft_examples(self) -> list[Example]:
         """Demonstration episodes for the warm start (built-in world only); inserted information is

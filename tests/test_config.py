@@ -1,5 +1,6 @@
 """Config files, overrides and validation: each bad input is one line naming the field."""
 
+import re
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 
 from emapg.cli import main
 from emapg.config import CONFIG_DIR, help_text, load_config
+from emapg.errors import EmapgError
 
 
 def test_defaults_file_and_overrides_compose(tmp_path):
@@ -59,6 +61,32 @@ def test_bad_config_is_one_line_exit_2(overrides, message, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("emapg: error: ") and message in err
     assert "\n" not in err
+
+
+def test_iw_clip_accepts_one_sided_bounds():
+    assert load_config(None, ["kl.iw_clip=[null, 5]"]).kl.iw_clip == [None, 5]
+    assert load_config(None, ["kl.iw_clip=[0.2, null]"]).kl.iw_clip == [0.2, None]
+    assert load_config(None, ["kl.iw_clip=[null, null]"]).kl.iw_clip == [None, None]
+    assert load_config(None, ["kl.iw_clip=[0.5, 2]"]).kl.iw_clip == [0.5, 2]
+    assert load_config(None, []).kl.iw_clip == []
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("[5, 1]", "kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max"),
+        ("[-1, null]", "kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max"),
+        ("[null, -1]", "kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max"),
+        ("[1]", "kl.iw_clip must be [] or [s_min, s_max]"),
+        ("[1, 2, 3]", "kl.iw_clip must be [] or [s_min, s_max]"),
+        ("[null, .inf]", "kl.iw_clip must hold numbers"),
+        ("[null, b]", "kl.iw_clip must hold numbers"),
+    ],
+)
+def test_iw_clip_bad_bounds_raise_one_line(value, message):
+    with pytest.raises(EmapgError, match=re.escape(message)) as info:
+        load_config(None, [f"kl.iw_clip={value}"])
+    assert "\n" not in str(info.value)
 
 
 def test_missing_config_file_and_bad_yaml(tmp_path, capsys):

@@ -7,6 +7,8 @@ expected per-sample gradients (mu and the importance weights are constants), com
 autograd's gradient of the exact KL.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -162,6 +164,150 @@ def test_extreme_log_ratios_stay_finite():
         out = kl.sampled(logp, ref, est)
         (g,) = torch.autograd.grad(out.sum(), logp)
         assert torch.isfinite(out).all() and torch.isfinite(g).all(), est
+
+
+CAP = kl.LOG_W_CAP
+LOG_W_GRID = [-40.0, -25.0, -20.5, -5.0, 0.0, 0.25, 5.0, 20.0, 20.5, 25.0, 40.0]
+
+
+def grid_logprobs(dtype):
+    """logp (a leaf) and ref_logp with ref_logp - logp exactly LOG_W_GRID in `dtype`."""
+    x = torch.tensor(LOG_W_GRID, dtype=torch.float64)
+    logp = torch.where(x > 0, -0.5 - x, torch.full_like(x, -0.5))
+    ref = torch.where(x > 0, torch.full_like(x, -0.5), x - 0.5)
+    logp, ref = logp.to(dtype).requires_grad_(), ref.to(dtype)
+    assert (ref - logp).tolist() == LOG_W_GRID
+    return logp, ref
+
+
+def by_hand(estimator, x):
+    """(value, d value / d logp) of the definition at log w = x (d log w / d logp = -1,
+    d w / d logp = -w, d r / d logp = r = 1); past LOG_W_CAP, the documented cap."""
+    w = math.exp(min(x, CAP))  # w itself at or below the cap, e^CAP past it
+    # past the cap, w's tangent at the cap: k3(CAP) + (e^CAP - 1)(x - CAP)
+    k3 = math.expm1(min(x, CAP)) - min(x, CAP) + (math.exp(CAP) - 1) * max(x - CAP, 0.0)
+    return {
+        "k1": (-x, 1.0),  # -log w
+        "k2": (x * x / 2, -x),  # (log w)^2 / 2
+        "k3": (k3, 1 - w),  # w - 1 - log w: -w + 1
+        "k3pp": (k3, -x),  # r k3: k3 + (1 - w) = -log w, never capped
+        "k4": (-x, -x),  # r sg(-log w)
+        "k5": (w * x, 1 - w),  # sg(w) log w + log r: -w + 1
+    }[estimator]
+
+
+def naive(estimator, logp, ref):
+    """The definitions verbatim, no clamp or cap (float64 only: w = e^40 is finite there)."""
+    log_w = ref - logp
+    w, r = log_w.exp(), (logp - logp.detach()).exp()
+    return {
+        "k1": -log_w,
+        "k2": 0.5 * log_w**2,
+        "k3": w - 1 - log_w,
+        "k3pp": r * (w - 1 - log_w),
+        "k4": r * (-log_w).detach(),
+        "k5": w.detach() * log_w + r.log(),
+    }[estimator]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("estimator", kl.SAMPLED)
+def test_sampled_value_and_gradient_at_extreme_log_ratios(estimator, dtype):
+    """|log w| up to 40: finite, and the definition's value and gradient (or the documented cap)."""
+    logp, ref = grid_logprobs(dtype)
+    out = kl.sampled(logp, ref, estimator)
+    (grad,) = torch.autograd.grad(out.sum(), logp)
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(grad).all()
+    value, want = zip(*(by_hand(estimator, x) for x in LOG_W_GRID), strict=True)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-6, "atol": 1e-6}
+    torch.testing.assert_close(out.double(), torch.tensor(value, dtype=torch.float64), **tol)
+    torch.testing.assert_close(grad.double(), torch.tensor(want, dtype=torch.float64), **tol)
+
+
+@pytest.mark.parametrize("estimator", kl.SAMPLED)
+def test_sampled_gradient_is_autograd_of_definition_and_capped_only_in_magnitude(estimator):
+    """Checks `by_hand` against autograd of the unclamped definitions (float64), and that past
+    the cap the gradient keeps the exact one's sign and is no larger than it."""
+    logp, ref = grid_logprobs(torch.float64)
+    (exact,) = torch.autograd.grad(naive(estimator, logp, ref).sum(), logp)
+    (ours,) = torch.autograd.grad(kl.sampled(logp, ref, estimator).sum(), logp)
+    assert torch.isfinite(exact).all()
+    for i, x in enumerate(LOG_W_GRID):
+        hand = by_hand(estimator, x)[1]
+        if x <= CAP or estimator in ("k1", "k2", "k3pp", "k4"):
+            # naive k3pp sums two ~w terms that cancel: absolute error ~ eps * w
+            assert exact[i].item() == pytest.approx(hand, rel=1e-12, abs=1e-12 * math.exp(x)), x
+            assert ours[i].item() == pytest.approx(hand, rel=1e-12, abs=1e-12), x
+        else:
+            assert math.copysign(1, ours[i].item()) == math.copysign(1, exact[i].item()), x
+            assert abs(ours[i].item()) <= abs(exact[i].item()), x
+            assert ours[i].item() == pytest.approx(1 - math.exp(CAP), rel=1e-12), x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("estimator", ["topk", "topk_paper"])
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_topk_tail_at_extreme_log_ratios(direction, estimator, dtype):
+    """The sampled tail (k4 reverse, k5 forward) at log w = +-40: finite, tail gradient exact
+    (reverse: -log w) or capped with its sign (forward: 1 - min(w, e^CAP))."""
+    logp = torch.tensor([-45.0, -5.0], dtype=dtype, requires_grad=True)
+    ref = torch.tensor([-5.0, -45.0], dtype=dtype)  # log w = +40 (policy far below anchor), -40
+    head = torch.log(torch.tensor([[0.6, 0.3], [0.5, 0.4]], dtype=dtype)).requires_grad_()
+    head_ref = torch.log(torch.tensor([[0.5, 0.2], [0.7, 0.1]], dtype=dtype))
+    kw = {"direction": direction, "head_logp": head, "head_ref_logp": head_ref}
+    out = kl.from_logprobs(logp, ref, estimator=estimator, in_head=torch.tensor([False, False]), **kw)
+    g_logp, g_head = torch.autograd.grad(out.sum(), (logp, head))
+    assert torch.isfinite(out).all() and torch.isfinite(g_logp).all() and torch.isfinite(g_head).all()
+    tail = "k4" if direction == "reverse" else "k5"
+    truncated = kl.from_logprobs(logp, ref, estimator="truncated", in_head=torch.tensor([True, True]), **kw)
+    want = [by_hand(tail, x) for x in (40.0, -40.0)]
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-6, "atol": 1e-6}
+    torch.testing.assert_close(
+        (out - truncated).detach().double(), torch.tensor([v for v, _ in want], dtype=torch.float64), **tol
+    )
+    torch.testing.assert_close(
+        g_logp.double(), torch.tensor([g for _, g in want], dtype=torch.float64), **tol
+    )
+    # where the policy has drifted far below the anchor the regulariser pushes log pi(p) up
+    assert g_logp[0] < 0 and g_logp[1] > 0
+    if direction == "reverse":
+        assert g_logp[0].item() == -40.0
+    else:
+        assert g_logp[0].item() == pytest.approx(1 - math.exp(CAP), rel=1e-6)
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_token_kl_from_logits_at_extreme_log_ratios_is_finite(direction):
+    """Full float32 logits, the sampled token 40 nats below the anchor and off the top-k set."""
+    logits = torch.tensor([[3.0, 2.0, 0.0, -40.0], [3.0, 2.0, 0.0, 0.0]], requires_grad=True)
+    ref_logits = torch.tensor([[3.0, 2.0, 0.0, 0.0], [3.0, 2.0, 0.0, -40.0]])
+    tokens = torch.tensor([3, 3])
+    for estimator in ("topk", "topk_paper", "k4" if direction == "reverse" else "k5"):
+        out = kl.token_kl(logits, ref_logits, tokens, estimator=estimator, direction=direction, k=2)
+        (grad,) = torch.autograd.grad(out.sum(), logits)
+        assert torch.isfinite(out).all() and torch.isfinite(grad).all(), estimator
+        assert grad[0, 3] < 0 and grad[1, 3] > 0, estimator
+
+
+def test_importance_weight_one_sided_clip():
+    logp = torch.tensor([0.0, -3.0, -0.1, 50.0])
+    sampling = torch.tensor([-3.0, 0.0, -0.1, 0.0])
+    s = torch.tensor([math.exp(3), math.exp(-3), 1.0, math.exp(CAP)])  # s capped at e^CAP
+    assert torch.allclose(kl.importance_weight(logp, sampling), s)
+    for clip in [(), (None, None)]:
+        assert torch.allclose(kl.importance_weight(logp, sampling, clip), s)
+    upper = kl.importance_weight(logp, sampling, (None, 2.0))
+    assert torch.allclose(upper, torch.tensor([2.0, math.exp(-3), 1.0, 2.0]))
+    lower = kl.importance_weight(logp, sampling, (0.5, None))
+    assert torch.allclose(lower, torch.tensor([math.exp(3), 0.5, 1.0, math.exp(CAP)]))
+    theta, ref, sampling_logits = make(7, True)
+    tokens = torch.arange(V)
+    args = (theta.expand(V, V), ref.expand(V, V), tokens)
+    kw = {"estimator": "k3", "sampling_logp": sampling_logits.expand(V, V)}
+    unclipped = kl.token_kl(*args, **kw)
+    one_sided = kl.token_kl(*args, iw_clip=(None, 1.0), **kw)
+    ratio = (torch.log_softmax(theta, -1) - torch.log_softmax(sampling_logits, -1)).exp().detach()
+    assert close(one_sided, unclipped / ratio * ratio.clamp(max=1.0))
 
 
 def test_topk_variance_falls_with_k():

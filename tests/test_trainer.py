@@ -33,20 +33,22 @@ def _perturb(model, seed, scale=0.05):
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
+# kl.iw_clip as an override and as the tuple token_kl gets (null: one-sided)
+BOTH, UPPER, LOWER = ("[0.5, 2.0]", (0.5, 2.0)), ("[null, 2.0]", (None, 2.0)), ("[0.5, null]", (0.5, None))
 CASES = [
-    ("topk", "reverse", 8),
-    ("topk", "forward", 8),
-    ("exact", "reverse", 0),
-    ("k3", "reverse", 0),
-    ("k5", "forward", 0),
+    ("topk", "reverse", 8, BOTH),
+    ("topk", "forward", 8, BOTH),
+    ("exact", "reverse", 0, BOTH),
+    ("k3", "reverse", 0, UPPER),
+    ("k5", "forward", 0, LOWER),
 ]
 
 
-@pytest.mark.parametrize("estimator,direction,k", CASES)
-def test_trainer_kl_path_equals_token_kl(tmp_path, tiny_model_dir, estimator, direction, k):
+@pytest.mark.parametrize("estimator,direction,k,clip", CASES)
+def test_trainer_kl_path_equals_token_kl(tmp_path, tiny_model_dir, estimator, direction, k, clip):
     cfg = config(
         tmp_path, tiny_model_dir, f"kl.estimator={estimator}", f"kl.direction={direction}", f"kl.k={k}",
-        "rollout.temperature=0.8", "kl.iw_clip=[0.5, 2.0]",
+        "rollout.temperature=0.8", f"kl.iw_clip={clip[0]}",
     )  # fmt: skip
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
@@ -73,7 +75,7 @@ def test_trainer_kl_path_equals_token_kl(tmp_path, tiny_model_dir, estimator, di
         anchor_logits = logits_of(anchor.model)
     want = kl.token_kl(
         logits_of(model), anchor_logits, batch.responses, estimator=estimator, direction=direction,
-        k=k if estimator != "exact" else vocab, sampling_logp=sampling_logits, iw_clip=(0.5, 2.0),
+        k=k if estimator != "exact" else vocab, sampling_logp=sampling_logits, iw_clip=clip[1],
     )  # fmt: skip
     mask = batch.response_mask
     assert mask.sum() > 6

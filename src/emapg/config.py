@@ -120,7 +120,9 @@ class KLConfig:
     direction: str = _f("reverse", "reverse KL(pi||ref) or forward KL(ref||pi)", kl.DIRECTIONS)
     k: int = _f(32, "top-k set size for the top-k estimators")
     importance_weight: bool = _f(True, "weight off-policy samples by pi/pi_sampling (tail only for top-k)")
-    iw_clip: list = _f([], "optional [s_min, s_max] bounds on the importance weight")
+    iw_clip: list = _f(
+        [], "optional [s_min, s_max] bounds on the importance weight; null: no bound on that side"
+    )
 
 
 @dataclass
@@ -358,10 +360,12 @@ def validate(cfg: Config) -> None:
     _check(cfg.kl.beta >= 0, "kl.beta must be >= 0")
     kl.check_estimator(cfg.kl.estimator, cfg.kl.direction)
     _check(cfg.kl.k >= 0, "kl.k must be >= 0")
-    _check(_numbers(cfg.kl.iw_clip), f"kl.iw_clip must hold numbers; got {cfg.kl.iw_clip!r:.80}")
+    bounds = [b for b in cfg.kl.iw_clip if b is not None]  # null: no bound on that side
+    _check(_numbers(bounds), f"kl.iw_clip must hold numbers; got {cfg.kl.iw_clip!r:.80}")
     _check(
-        cfg.kl.iw_clip == [] or (len(cfg.kl.iw_clip) == 2 and 0 <= cfg.kl.iw_clip[0] <= cfg.kl.iw_clip[1]),
-        f"kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max; got {cfg.kl.iw_clip}",
+        cfg.kl.iw_clip == []
+        or (len(cfg.kl.iw_clip) == 2 and all(b >= 0 for b in bounds) and bounds == sorted(bounds)),
+        f"kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max (null: no bound); got {cfg.kl.iw_clip}",
     )
     _check(0 <= cfg.anchor.eta <= 1, f"anchor.eta must be in [0, 1]; got {cfg.anchor.eta}")
     _check(cfg.anchor.update_period >= 1, "anchor.update_period must be >= 1")

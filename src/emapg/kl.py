@@ -8,9 +8,31 @@ r = pi(p) / sg(pi(p)) (value 1, gradient of log pi), s = sg(pi(p) / pi_sampling(
 - `from_logprobs`: any estimator from log-probs gathered at the sampled token and at the
   top-k set q. The trainer's memory-efficient path (emapg.topk summaries) calls this.
 - `token_kl`: the reference entry point from full logits [..., T, V].
+
+Extreme log-ratios. Every estimate and gradient is finite in float32 and float64 at any
+log-ratio log-probs produce (tested to |log w| = 200; only values near |log w| ~ 1e19 would
+overflow, k2's square first), and its gradient with respect to log pi(p) is the exact gradient of the estimator's own
+definition (with w and log w both functions of log pi(p)), with one exception: a term
+w = exp(log w) past log w = LOG_W_CAP (20, w ~ 4.9e8) is astronomically large, so there w is
+capped at exp(LOG_W_CAP) -- in magnitude only, never in sign or direction:
+
+- k1, k2, k4: no cap at all; gradients 1, -log w, -log w exactly.
+- k3pp: no cap on the gradient, -log w exactly (its two w terms cancel: (w - 1 - log w) +
+  (1 - w)); its value w - 1 - log w is capped as k3's is.
+- k3: past the cap, w is replaced by its tangent at the cap, so the value is
+  k3(C) + (e^C - 1)(log w - C) (C = LOG_W_CAP), still increasing, and the gradient is that
+  function's own derivative, 1 - e^C (the exact 1 - w, capped in magnitude).
+- k5: past the cap, the stop-gradient weight w is replaced by e^C: value e^C log w,
+  gradient 1 - e^C.
+
+Below the cap (log w <= C) every value and gradient is the definition's. The top-k tails use
+k4 (reverse, uncapped) and k5 (forward, capped as above). The arithmetic is done in at least
+float32, since exp(LOG_W_CAP) overflows float16.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -27,9 +49,10 @@ DIRECTIONS = ("reverse", "forward")
 SAMPLED_DIRECTION = {"k1": "reverse", "k2": "reverse", "k3": "reverse", "k3pp": "reverse",
                      "k4": "reverse", "k5": "forward"}  # fmt: skip
 
-# exp(20) ~ 5e8: beyond that a log-ratio is a numerical accident, not information, and
-# exp() of it would overflow in bf16/fp16 and dominate any batch in fp32.
-LOG_RATIO_CLAMP = 20.0
+# exp(20) ~ 5e8: beyond that a ratio is a numerical accident, not information, and exp() of
+# it overflows float16 and dominates any batch in float32. Only terms in w = exp(log w) (and
+# the importance weight s) are capped there; log-ratios themselves are never clamped.
+LOG_W_CAP = 20.0
 
 
 def check_estimator(estimator: str, direction: str) -> None:
@@ -45,31 +68,67 @@ def check_estimator(estimator: str, direction: str) -> None:
         )
 
 
+def _expm1_capped(log_w: Tensor) -> Tensor:
+    """expm1(log w) up to LOG_W_CAP and its tangent line at the cap past it (C1, increasing).
+
+    Its derivative is min(w, e^C): exact below the cap, e^C above. The exp branch sees a
+    clamped input so that neither branch of the `where` overflows (an inf there would turn
+    the masked-out gradient into nan).
+    """
+    below = torch.expm1(log_w.clamp(max=LOG_W_CAP))
+    above = math.expm1(LOG_W_CAP) + math.exp(LOG_W_CAP) * (log_w - LOG_W_CAP)
+    return torch.where(log_w > LOG_W_CAP, above, below)
+
+
 def sampled(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
-    """Single-sample estimate at the sampled token from log pi(p) and log pi_ref(p)."""
+    """Single-sample estimate at the sampled token from log pi(p) and log pi_ref(p).
+
+    With log w = ref_logp - logp, r = pi(p)/sg(pi(p)) and C = LOG_W_CAP, the gradients with
+    respect to logp (the module docstring says why w is capped past C):
+
+    - k1 = -log w: gradient 1.
+    - k2 = (log w)^2 / 2: gradient -log w.
+    - k3 = w - 1 - log w: gradient 1 - w; past C, value k3(C) + (e^C - 1)(log w - C) and
+      gradient 1 - e^C.
+    - k3pp = r (w - 1 - log w): gradient -log w at every log w; value capped as k3's.
+    - k4 = r sg(-log w): gradient -log w.
+    - k5 = sg(w) log w + log r: gradient 1 - w; past C, w is e^C in both value and gradient.
+
+    Computed in at least float32 (float64 stays float64); the result has that dtype.
+    """
     if estimator not in SAMPLED:
         raise EmapgError(f"sampled estimator must be one of {', '.join(SAMPLED)}; got {estimator!r}")
-    log_w = (ref_logp.detach() - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    logp = _wide(logp)
+    log_w = _wide(ref_logp).detach() - logp
     log_r = logp - logp.detach()
     if estimator == "k1":
         return -log_w
     if estimator == "k2":
         return 0.5 * log_w.square()
-    k3 = torch.expm1(log_w) - log_w  # w - 1 - log w, accurate near w = 1
-    if estimator == "k3":
-        return k3
-    if estimator == "k3pp":
-        return torch.exp(log_r) * k3
     if estimator == "k4":
         return torch.exp(log_r) * (-log_w).detach()
-    return torch.exp(log_w).detach() * log_w + log_r  # k5
+    if estimator == "k5":
+        return torch.exp(log_w.clamp(max=LOG_W_CAP)).detach() * log_w + log_r
+    k3 = _expm1_capped(log_w) - log_w  # w - 1 - log w, accurate near w = 1
+    if estimator == "k3":
+        return k3
+    # k3pp: d/dlogp [r k3] = k3 + (1 - w) = -log w, exact at any log w (no w terms to cancel).
+    return k3.detach() + log_r * (-log_w).detach()
 
 
-def importance_weight(logp: Tensor, sampling_logp: Tensor, clip: tuple[float, float] | None = None) -> Tensor:
-    """s = sg(pi(p) / pi_sampling(p)), optionally clipped to [s_min, s_max]."""
-    log_s = (logp.detach() - sampling_logp.detach()).clamp(max=LOG_RATIO_CLAMP)
+def importance_weight(
+    logp: Tensor, sampling_logp: Tensor, clip: tuple[float | None, float | None] | None = None
+) -> Tensor:
+    """s = sg(pi(p) / pi_sampling(p)), optionally clipped to [s_min, s_max].
+
+    clip: None (or empty) for no clipping, else (s_min, s_max) where either may be None for a
+    one-sided bound. s is capped at exp(LOG_W_CAP) before clipping (it carries no gradient).
+    """
+    log_s = (logp.detach() - sampling_logp.detach()).clamp(max=LOG_W_CAP)
     s = torch.exp(log_s)
-    return s if clip is None else s.clamp(clip[0], clip[1])
+    if not clip or (clip[0] is None and clip[1] is None):
+        return s
+    return s.clamp(min=clip[0], max=clip[1])
 
 
 def from_logprobs(
@@ -141,7 +200,7 @@ def token_kl(
     k: int = 32,
     tail: bool = True,
     sampling_logp: Tensor | None = None,
-    iw_clip: tuple[float, float] | None = None,
+    iw_clip: tuple[float | None, float | None] | None = None,
 ) -> Tensor:
     """Per-token KL estimate [..., T] from full logits [..., T, V]; gradients reach `logits` only.
 
@@ -219,7 +278,7 @@ def from_summary(
     estimator: str = "topk",
     direction: str = "reverse",
     sampling_logp: Tensor | None = None,
-    iw_clip: tuple[float, float] | None = None,
+    iw_clip: tuple[float | None, float | None] | None = None,
 ) -> Tensor:
     """The trainer's memory-efficient path: same numbers as `token_kl`, from top-k summaries.
 

@@ -6,11 +6,11 @@ Configs (the ablation of EMA-PG's two parts, everything else equal):
   grpo       frozen anchor + k3           ema_only   EMA anchor + k3
   topk_only  frozen anchor + top-k KL     ema_pg     EMA anchor + top-k KL
 with beta 1e-3, k 32, eta 0.9 every 10 steps. Runs go to benchmarks/study_runs/<task>-<config>-seedN
-(a finished run is reused, so an interrupted study picks up where it stopped). Writes
-benchmarks/RESULTS.md (per task: `emapg report`'s table, wall time per run) and
-benchmarks/study_<task>.png. `--jobs 2 train.threads=1` trains two runs at once, one thread each
-(on 2 cores that finishes the study in about half the time; wall times per run are then those
-of a run sharing the machine).
+(a finished run is reused, so an interrupted study picks up where it stopped). Writes its
+block of benchmarks/RESULTS.md (per task: `emapg report`'s table, wall time per run; the rest of
+that file is left alone) and benchmarks/study_<task>.png. `--jobs 2 train.threads=1` trains two
+runs at once, one thread each (on 2 cores that finishes the study in about half the time; wall
+times per run are then those of a run sharing the machine).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ VARIANTS = {
 }
 SHARED = ["kl.beta=0.001", "kl.k=32", "kl.direction=reverse", "kl.importance_weight=true",
           "anchor.eta=0.9", "anchor.update_period=10"]  # fmt: skip
+# benchmarks/RESULTS.md holds other measurements too: the study rewrites only its own block.
+BEGIN = "<!-- study.py writes from here: do not edit by hand -->"
+END = "<!-- study.py writes up to here -->"
 # Per task: base config, and the held-out accuracy whose first crossing is reported.
 TASKS = {"arithmetic": ("quickstart", 0.4), "search": ("search_tiny", 0.5)}  # search: warm start ~0.44
 
@@ -58,6 +61,19 @@ def run_one(task: str, variant: str, seed: int, steps: int | None, extra: list[s
     (out / name / "wall_time.json").write_text(json.dumps({"seconds": round(seconds, 1)}))
     print(f"{name}: {seconds:.0f} s", flush=True)
     return seconds
+
+
+def write_block(path: Path, block: str) -> str:
+    """Replace the study's block of `path` (between BEGIN and END), or append it; returns the text."""
+    marked = f"{BEGIN}\n{block.rstrip()}\n{END}"
+    old = path.read_text() if path.is_file() else "# Results\n"
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        text = head + marked + rest.split(END, 1)[1]
+    else:
+        text = old.rstrip("\n") + "\n\n" + marked + "\n"
+    path.write_text(text)
+    return text
 
 
 def main() -> None:
@@ -90,7 +106,7 @@ def main() -> None:
         plot(runs, png)
         steps = max(runs[0].series["eval/accuracy"])
         sections.append(
-            f"## {task} (base config `{base}`, {steps} steps, {args.seeds} seeds)\n\n"
+            f"### {task} (base config `{base}`, {steps} steps, {args.seeds} seeds)\n\n"
             f"{summary_table(runs, threshold)}\n"
             f"Wall time per run, warm start included: {min(walls):.0f}-{max(walls):.0f} s on this machine. "
             f"Curves: `benchmarks/{png.name}`.\n"
@@ -102,12 +118,12 @@ def main() -> None:
         + args.overrides
     )
     text = (
-        "# GRPO vs EMA-PG: the study\n\n"
+        "## GRPO vs EMA-PG: the study\n\n"
         f"Regenerate with `{command}`. Mean ± std over seeds of held-out accuracy (pass@1) at the\n"
         "first and last evaluation, reward and KL averaged over the last 10 steps, and the first\n"
         "evaluation step reaching the threshold.\n\n" + "\n".join(sections)
     )
-    (HERE / "RESULTS.md").write_text(text)
+    write_block(HERE / "RESULTS.md", text)
     print(text)
 
 

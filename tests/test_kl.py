@@ -63,7 +63,7 @@ def close(a, b):
     return torch.allclose(a, b, atol=1e-10, rtol=1e-8)
 
 
-# (estimator, direction, value unbiased, gradient unbiased), DESIGN.md's table.
+# (estimator, direction, value unbiased, gradient unbiased), docs/design.md's table.
 SAMPLED_TABLE = [
     ("k1", "reverse", True, False),
     ("k2", "reverse", False, True),

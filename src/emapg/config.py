@@ -449,3 +449,78 @@ def help_text() -> str:
             choices = f" [{' | '.join(f.metadata['choices'])}]" if f.metadata["choices"] else ""
             lines.append(f"  {section.name}.{f.name} = {default!r}  -- {f.metadata['help']}{choices}")
     return "\n".join(lines)
+
+
+# Section introductions of the generated reference (docs/configuration.md).
+SECTION_INTROS = {
+    "model": "The policy model: where it comes from and in which dtype it trains.",
+    "warmstart": "The supervised warm start that makes the built-in tiny model able to answer at all.",
+    "task": "Which task supplies prompts and rewards, its data and how rewards are computed safely.",
+    "rollout": "How responses are sampled: batch shape, length, temperature and the engine.",
+    "optim": "The AdamW optimiser and its schedule.",
+    "algo": "The policy-gradient algorithm: advantages, PPO clipping, epochs and batching.",
+    "kl": "The KL regulariser: its coefficient, estimator, direction and top-k set size.",
+    "anchor": "The KL anchor: frozen reference or an EMA of the policy.",
+    "train": "The run: name, length, evaluation and checkpoint cadence, logging and device.",
+    "eval": "Held-out evaluation during training (eval/accuracy).",
+    "retriever": "The search task: retriever, corpus, data and episode limits.",
+}
+
+REGENERATE = "python -m emapg.config > docs/configuration.md"
+
+
+def _md_value(value) -> str:
+    """A default as one would write it in a YAML file or an override, in a code span."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = value if value else '""'
+    elif isinstance(value, list | dict):
+        text = yaml.safe_dump(value, default_flow_style=True).strip()
+    else:
+        text = repr(value)
+    return "`" + text.replace("|", "\\|") + "`"
+
+
+def _md_text(text: str) -> str:
+    """Help text in a table cell: no raw |, <, > or * for the markdown renderer to take."""
+    for raw, escaped in (("|", "\\|"), ("<", "&lt;"), (">", "&gt;"), ("*", "\\*")):
+        text = text.replace(raw, escaped)
+    return text
+
+
+def markdown_reference() -> str:
+    """docs/configuration.md: every config section as a table of field, default and meaning."""
+    lines = [
+        "# Configuration reference",
+        "",
+        f"<!-- Generated from src/emapg/config.py; do not edit. Regenerate: {REGENERATE} -->",
+        "",
+        "This page is generated from the dataclasses in `src/emapg/config.py` (each field's",
+        f"default and help string). Regenerate it with `{REGENERATE}`;",
+        "`tests/test_docs.py` fails when it is stale.",
+        "",
+        "A run's config is built in three layers: the dataclass defaults below, then a YAML file",
+        "(`--config NAME` for a shipped config in `src/emapg/configs/`, or a path), then dotted",
+        "overrides on the command line (`kl.k=16 anchor.eta=0.95`). A YAML file mirrors the",
+        "sections (`kl: {estimator: topk, k: 32}`); override values are read as YAML",
+        "(`task.train_files=[a.jsonl,b.jsonl]`). An unknown key, a wrong type or an out-of-range",
+        "value stops with one line naming the field. `emapg train --help` prints the same list.",
+        "",
+    ]
+    for section in dataclasses.fields(Config):
+        lines += [f"## {section.name}", ""]
+        if section.name in SECTION_INTROS:
+            lines += [SECTION_INTROS[section.name], ""]
+        lines += ["| field | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(section.default_factory()):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(
+                f"| `{section.name}.{f.name}` | {_md_value(default)} | {_md_text(f.metadata['help'])} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_reference(), end="")

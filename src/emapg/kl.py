@@ -1,7 +1,7 @@
 """Token-level KL estimators between the policy pi and the anchor pi_ref.
 
 Every function returns a per-token estimate whose gradient flows into the policy's
-log-probs only. Notation (DESIGN.md): p is the sampled token, log w = log pi_ref(p) - log pi(p),
+log-probs only. Notation (docs/design.md): p is the sampled token, log w = log pi_ref(p) - log pi(p),
 r = pi(p) / sg(pi(p)) (value 1, gradient of log pi), s = sg(pi(p) / pi_sampling(p)).
 
 - `sampled`: the single-sample estimators k1, k2, k3, k3pp, k4, k5.
@@ -45,7 +45,7 @@ TOPK = ("topk", "topk_paper", "truncated")
 ESTIMATORS = SAMPLED + ("exact",) + TOPK
 DIRECTIONS = ("reverse", "forward")
 
-# Which KL each sampled estimator's value estimates (DESIGN.md table).
+# Which KL each sampled estimator's value estimates (docs/design.md, section 2).
 SAMPLED_DIRECTION = {"k1": "reverse", "k2": "reverse", "k3": "reverse", "k3pp": "reverse",
                      "k4": "reverse", "k5": "forward"}  # fmt: skip
 
@@ -170,7 +170,7 @@ def from_logprobs(
         # Zero-valued term that restores the gradient the sampled tail misses:
         # d/dtheta sum_tail pi log pi has a "+ grad pi(tail)" that the sampled tail term drops,
         # and grad pi(tail) = -grad pi(q). Without it ("topk_paper") the expected gradient is
-        # off by +grad pi(q) (reverse) / -grad pi(q) (forward). See DESIGN.md.
+        # off by +grad pi(q) (reverse) / -grad pi(q) (forward). See docs/design.md, section 3.
         est = est + mass_sign * (mass - mass.detach())
     if estimator == "truncated":
         return est

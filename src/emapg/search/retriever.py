@@ -56,7 +56,10 @@ class BM25Retriever:
         try:
             import bm25s
         except ImportError:
-            raise EmapgError("the BM25 retriever needs bm25s: pip install 'emapg[search]'") from None
+            raise EmapgError(
+                "the BM25 retriever needs bm25s, a dependency of emapg: pip install 'bm25s>=0.2' "
+                "(or reinstall emapg: pip install -e .)"
+            ) from None
         self.docs = load_corpus(corpus_path)
         path = Path(corpus_path).expanduser()
         digest = hashlib.sha256(path.read_bytes()).hexdigest()

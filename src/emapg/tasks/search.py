@@ -44,7 +44,10 @@ def load_parquet(path: str) -> list[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise EmapgError("reading parquet data needs pyarrow: pip install 'emapg[search]'") from None
+        raise EmapgError(
+            "reading parquet data needs pyarrow, a dependency of emapg: pip install 'pyarrow>=15' "
+            "(or reinstall emapg: pip install -e .)"
+        ) from None
     file = Path(path).expanduser()
     if not file.is_file():
         raise EmapgError(f"search data {path!r}: no such file")

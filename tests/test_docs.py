@@ -1,0 +1,79 @@
+"""The docs stay true to the code: generated pages are fresh, links resolve, hints name real extras."""
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from emapg.config import REGENERATE, markdown_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "benchmarks").glob("*.md")),
+]
+
+
+def test_configuration_reference_is_up_to_date():
+    page = ROOT / "docs" / "configuration.md"
+    assert page.is_file(), f"docs/configuration.md is missing; generate it: {REGENERATE}"
+    assert page.read_text() == markdown_reference(), (
+        f"docs/configuration.md is stale (the config's fields or help strings changed); regenerate it: {REGENERATE}"
+    )
+
+
+def test_regenerate_command_prints_the_reference():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "emapg.config"], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert out == markdown_reference()
+
+
+def test_reference_lists_every_field_once():
+    import dataclasses
+
+    from emapg.config import Config
+
+    text = markdown_reference()
+    for section in dataclasses.fields(Config):
+        assert f"\n## {section.name}\n" in text
+        for f in dataclasses.fields(section.default_factory()):
+            assert text.count(f"| `{section.name}.{f.name}` |") == 1, f"{section.name}.{f.name}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links only outside code blocks
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = (page.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+
+
+def test_install_hints_name_defined_extras():
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    files = [*SRC.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"), *PAGES]
+    for file in files:
+        for extra in re.findall(r"emapg\[([\w,-]+)\]", file.read_text()):
+            for name in extra.split(","):
+                assert name in extras, (
+                    f"{file.relative_to(ROOT)} names the extra emapg[{name}], not in pyproject.toml"
+                )
+
+
+def test_readme_quick_start():
+    readme = (ROOT / "README.md").read_text()
+    assert "python3 -m pip install -e . && emapg train" in readme
+    assert 'python3 -m pip install -e ".[dev]" && python3 -m pytest' in readme
+    assert "eval/accuracy A% before training -> B% after (+C points); run: runs/quickstart" in readme

@@ -18,7 +18,8 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from emapg.models import build_tiny_model, build_tiny_tokenizer
-from emapg.rollout.hf import _SamplingRecorder, generate
+from emapg.rollout import SamplingParams, encode_prompts
+from emapg.rollout.hf import HFEngine, _SamplingRecorder
 
 
 def hf_multinomial(model, tokenizer, prompts, tokens):
@@ -58,6 +59,7 @@ def main() -> None:
     tiny = build_tiny_model(tokenizer).eval()
     wide = LlamaForCausalLM(LlamaConfig(**{**tiny.config.to_dict(), "vocab_size": 32000})).eval()
     prompts = [f"{i % 97}+{i % 13}=" for i in range(args.rows)]
+    prompt_ids, params = encode_prompts(tokenizer, prompts), SamplingParams(max_new_tokens=args.tokens)
     print(
         f"{args.rows} rows x {args.tokens} new tokens, median of {args.repeats} alternating rounds, 2 threads"
     )
@@ -65,7 +67,7 @@ def main() -> None:
     for model in (tiny, wide):
         ours, theirs = median_seconds(
             [
-                lambda m=model: generate(m, tokenizer, prompts, max_new_tokens=args.tokens),
+                lambda m=model: HFEngine(m, tokenizer).sample(prompt_ids, params),
                 lambda m=model: hf_multinomial(m, tokenizer, prompts, args.tokens),
             ],
             args.repeats,

@@ -46,7 +46,7 @@ BAD = [
     (["kl.k=abc"], "kl.k: expected int, got 'abc'"),
     (["kl.k=-1"], "kl.k must be >= 0"),
     (["anchor.eta=1.5"], "anchor.eta must be in [0, 1]; got 1.5"),
-    (["kl.estimator=k7"], "kl estimator must be one of"),
+    (["kl.estimator=k7"], "kl.estimator: unknown 'k7'"),
     (["kl.estimator=k5"], "kl estimator 'k5' estimates forward KL; got direction='reverse'"),
     (["rollout.group_size=1"], "rollout.group_size=1 has no group std"),
     (["kl.beta=0"], "anchor.kind=none goes with kl.beta=0"),

@@ -14,12 +14,12 @@ from test_trainer import config
 
 
 def test_counts_skips_and_stops_at_the_limit():
-    state = {}
+    state = trainer.TrainerState()
     assert step_is_finite(state, 1.0, 2.0, 3)
     assert not step_is_finite(state, math.nan, 2.0, 3)
     assert not step_is_finite(state, 1.0, math.inf, 3)
     assert step_is_finite(state, 1.0, 2.0, 3)  # a good step ends the run of bad ones
-    assert state == {"skipped_steps": 2, "bad_in_row": 0}
+    assert (state.skipped_steps, state.bad_in_row) == (2, 0)
     assert not step_is_finite(state, math.nan, math.nan, 3)
     assert not step_is_finite(state, math.nan, math.nan, 3)
     with pytest.raises(EmapgError, match="3 optimiser steps in a row had a non-finite loss"):

@@ -113,14 +113,22 @@ class RaisingArithmetic(ArithmeticTask):
 
 
 @pytest.mark.parametrize("raises,want", [(False, 1.0), (True, 0.0)])
-def test_evaluation_goes_through_the_guarded_scorer(tiny_model_dir, raises, want):
+def test_evaluation_goes_through_the_guarded_scorer(tmp_path, tiny_model_dir, raises, want):
+    import torch
+
     from emapg import trainer
     from emapg.config import load_config
-    from emapg.models import load_model_and_tokenizer
+    from emapg.tasks import register_task
 
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "rollout.max_new_tokens=3", "eval.greedy=true"])
-    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
-    task = RaisingArithmetic(raises)
-    with RewardScorer(task, timeout_s=1.0, isolation="inline") as scorer:
-        accuracy, _ = trainer.evaluate(cfg, model, tokenizer, task, task.eval_examples(), scorer)
+    register_task("raising", lambda cfg: RaisingArithmetic(raises))
+    cfg = load_config(
+        None,
+        [f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", "task.name=raising",
+         "task.reward_isolation=inline", "rollout.max_new_tokens=3", "eval.greedy=true", "train.tensorboard=false"],
+    )  # fmt: skip
+    run = trainer.setup(cfg, False, torch.device("cpu"))
+    try:
+        accuracy, _ = trainer.evaluate(run, 0)
+    finally:
+        run.close()
     assert accuracy == want

@@ -4,14 +4,15 @@ batch-invariant sampler (hash against a reference, invariance, frequencies again
 import pytest
 import torch
 
+from conftest import sample
 from emapg.models import load_model_and_tokenizer
-from emapg.rollout.hf import generate, row_uniforms, splitmix64
+from emapg.rollout.hf import row_uniforms, splitmix64
 
 
 def test_recorded_logp_topk_and_entropy_match_a_full_forward(tiny_model_dir):
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     torch.manual_seed(0)
-    out = generate(model, tokenizer, ["1+2=", "345+67=", "8="], max_new_tokens=6, temperature=0.7, topk=5)
+    out = sample(model, tokenizer, ["1+2=", "345+67=", "8="], max_new_tokens=6, temperature=0.7, topk=5)
     with torch.no_grad():
         logits = model(input_ids=out.sequences, attention_mask=out.attention_mask).logits
     logp = torch.log_softmax(logits[:, out.prompt_len - 1 : -1] / 0.7, -1)
@@ -30,9 +31,9 @@ def test_responses_end_at_eos_or_stop_string(tiny_model_dir):
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     eos = tokenizer.eos_token_id
     torch.manual_seed(1)
-    free = generate(model, tokenizer, ["12+"] * 16, max_new_tokens=8)
+    free = sample(model, tokenizer, ["12+"] * 16, max_new_tokens=8)
     torch.manual_seed(1)
-    stopped = generate(model, tokenizer, ["12+"] * 16, max_new_tokens=8, stop=["1"])
+    stopped = sample(model, tokenizer, ["12+"] * 16, max_new_tokens=8, stop=["1"])
     for i, text in enumerate(free.texts):
         n = int(free.response_mask[i].sum())
         ids = free.responses[i, :n].tolist()
@@ -46,26 +47,25 @@ def test_responses_end_at_eos_or_stop_string(tiny_model_dir):
 
 def test_greedy_is_deterministic(tiny_model_dir):
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
-    a = generate(model, tokenizer, ["9+9=", "1="], max_new_tokens=5, greedy=True, batch_size=1)
-    b = generate(model, tokenizer, ["9+9=", "1="], max_new_tokens=5, greedy=True)
+    a = sample(model, tokenizer, ["9+9=", "1="], max_new_tokens=5, greedy=True, batch_size=1)
+    b = sample(model, tokenizer, ["9+9=", "1="], max_new_tokens=5, greedy=True)
     assert a.texts == b.texts and torch.equal(a.sequences, b.sequences)
 
 
 def test_chat_template_is_applied_without_a_second_bos(tiny_model_dir):
-    from emapg.rollout import format_prompts
+    from emapg.rollout import encode_prompts
 
     _, tokenizer = load_model_and_tokenizer(tiny_model_dir)
-    plain, special = format_prompts(tokenizer, ["1+1="], chat_template=True)
-    assert (plain, special) == (["1+1="], True)  # the tiny tokenizer has no template
+    plain = tokenizer(["1+1="])["input_ids"]
+    assert encode_prompts(tokenizer, ["1+1="], chat_template=True) == plain  # the tiny tokenizer has no template
     tokenizer.chat_template = (
         "{{ bos_token }}{% for m in messages %}q: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}a: {% endif %}"
     )
-    texts, special = format_prompts(tokenizer, ["1+1="], chat_template=True)
-    assert texts == ["<bos>q: 1+1=\na: "] and special is False
-    ids = tokenizer(texts, add_special_tokens=special)["input_ids"][0]
+    ids = encode_prompts(tokenizer, ["1+1="], chat_template=True)[0]
+    assert ids == tokenizer("<bos>q: 1+1=\na: ", add_special_tokens=False)["input_ids"]
     assert ids.count(tokenizer.bos_token_id) == 1
-    assert format_prompts(tokenizer, ["1+1="], chat_template=False) == (["1+1="], True)
+    assert encode_prompts(tokenizer, ["1+1="], chat_template=False) == plain
 
 
 def _splitmix64_reference(x: int) -> int:
@@ -101,12 +101,12 @@ def test_a_rows_samples_do_not_depend_on_its_batch_chunk_or_position(tiny_model_
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     prompts = ["1=", "2+2=", "34+56=", "7=", "78+9=", "1+1=", "12+34=", "5+5="] * 2
     torch.manual_seed(3)
-    whole = generate(model, tokenizer, prompts, max_new_tokens=6, topk=3)
+    whole = sample(model, tokenizer, prompts, max_new_tokens=6, topk=3)
     parts = []
     for a, b, chunk in ((0, 5, 2), (5, 16, 4)):
         torch.manual_seed(3)
         parts.append(
-            generate(model, tokenizer, prompts[a:b], max_new_tokens=6, topk=3, batch_size=chunk, first_row=a)
+            sample(model, tokenizer, prompts[a:b], max_new_tokens=6, topk=3, batch_size=chunk, first_row=a)
         )
     assert whole.texts == parts[0].texts + parts[1].texts
     for part, a in zip(parts, (0, 5), strict=True):
@@ -117,7 +117,7 @@ def test_a_rows_samples_do_not_depend_on_its_batch_chunk_or_position(tiny_model_
         # Different left padding: the same log-probs up to float rounding.
         assert torch.allclose(whole.sampling_logp[mine, :width], part.sampling_logp, atol=1e-5)
     torch.manual_seed(4)  # a different call seed: different samples
-    assert generate(model, tokenizer, prompts, max_new_tokens=6).texts != whole.texts
+    assert sample(model, tokenizer, prompts, max_new_tokens=6).texts != whole.texts
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
@@ -129,7 +129,7 @@ def test_sampled_tokens_follow_the_tempered_nucleus_policy(tiny_model_dir, tempe
         model.model.norm.weight.mul_(6.0)  # logits x6: a peaked policy, where temperature matters
     n = 6000
     torch.manual_seed(0)
-    out = generate(model, tokenizer, ["3+4="] * n, max_new_tokens=1, temperature=temperature, top_p=top_p,
+    out = sample(model, tokenizer, ["3+4="] * n, max_new_tokens=1, temperature=temperature, top_p=top_p,
                    batch_size=n)  # fmt: skip
     with torch.no_grad():
         logits = model(**tokenizer(["3+4="], return_tensors="pt")).logits[0, -1]

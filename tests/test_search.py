@@ -22,15 +22,28 @@ from emapg.config import Config, load_config
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_model, build_tiny_tokenizer
 from emapg.policy_loss import aggregate
+from emapg.rollout import SamplingParams, encode_prompts, eos_ids
+from emapg.rollout.hf import HFEngine
+from emapg.rollout.multiturn import run_episodes
 from emapg.search.answers import exact_match, f1, last_tag, normalize_answer, turn_action
+from emapg.search.environment import SearchEnvironment, information_block
 from emapg.search.retriever import BM25Retriever, HttpRetriever, format_information
-from emapg.search.rollout import information_block, search_rollout
 from emapg.search.server import make_server
 from emapg.search.world import build_world, questions, write_corpus
 from emapg.sft import IGNORE_INDEX, sft_batch
 from emapg.tasks.base import Example
 from emapg.tasks.search import SearchTask, final_answer, load_parquet
 from emapg.trainer import token_losses
+
+
+def search_rollout(model, tok, prompts, retriever, *, docs_per_search, max_turns, **params):
+    """Search episodes through the HF engine and the search environment."""
+    env = SearchEnvironment(retriever, docs_per_search=docs_per_search, max_turns=max_turns)
+    return run_episodes(
+        HFEngine(model, tok), env, tok, prompts, encode_prompts(tok, prompts), SamplingParams(**params),
+        eos=eos_ids(model, tok),
+    )
+
 
 # --- tags and metrics ---------------------------------------------------------------------------
 

@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import emapg.sft as sft_module
+from emapg.evaluation import sample_and_score
 from emapg.models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
+from emapg.rewards import RewardScorer
+from emapg.rollout import SamplingParams, eos_ids
+from emapg.rollout.hf import HFEngine
 from emapg.sft import (
     IGNORE_INDEX,
-    generate_responses,
-    greedy_accuracy,
-    sampled_accuracy,
     sft,
     sft_batch,
     warm_start,
@@ -61,32 +62,28 @@ def _fit_tiny(steps: int = 150) -> tuple[torch.nn.Module, object]:
     return model, tok, losses
 
 
-def test_sft_memorises_a_tiny_problem_and_greedy_accuracy_sees_it() -> None:
+def _accuracy(model, tok, task, examples, **params) -> float:
+    """Mean reward of one response per example through the engine and the guarded scorer."""
+    engine, eos = HFEngine(model, tok), eos_ids(model, tok)
+    with RewardScorer(task, timeout_s=10.0) as scorer:
+        _, scored = sample_and_score(
+            engine, tok, task, examples, scorer, SamplingParams(**params), chat_template=True, eos=eos
+        )
+    return sum(scored.rewards) / len(examples)
+
+
+def test_sft_memorises_a_tiny_problem_and_the_evaluation_path_sees_it() -> None:
     torch.manual_seed(0)
     model, tok, losses = _fit_tiny()
     assert losses[0] > 2.0 and sum(losses[-10:]) / 10 < 0.05
     task = ArithmeticTask(seed=0, num_train=1, num_eval=1)
-    assert greedy_accuracy(model, tok, task, EXAMPLES) == 1.0
+    assert _accuracy(model, tok, task, EXAMPLES, max_new_tokens=8, greedy=True) == 1.0
     # An untrained model of the same shape gets (almost surely) none right.
     fresh = build_tiny_model(tok, hidden_size=64, num_layers=2, seed=1)
-    assert greedy_accuracy(fresh, tok, task, EXAMPLES) == 0.0
-    # Near-zero temperature sampling agrees with greedy; pass@n is at least the accuracy.
-    cold = sampled_accuracy(model, tok, task, EXAMPLES, num_samples=4, temperature=1e-3)
-    assert cold["accuracy"] == 1.0 and cold["pass_at_n"] == 1.0
-    hot = sampled_accuracy(fresh, tok, task, EXAMPLES, num_samples=4, temperature=1.0, seed=3)
-    assert hot["pass_at_n"] >= hot["accuracy"]
-
-
-def test_batched_left_padded_generation_matches_one_by_one() -> None:
-    tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, hidden_size=32, num_layers=2, seed=5)
-    prompts = ["1+2=", "123+456=", "77+8="]  # different lengths, so the batch needs padding
-    batched = generate_responses(model, tok, prompts, max_new_tokens=6, batch_size=8)
-    single = generate_responses(model, tok, prompts, max_new_tokens=6, batch_size=1)
-    assert batched == single
-    a = generate_responses(model, tok, prompts, num_samples=3, temperature=1.0, seed=7)
-    b = generate_responses(model, tok, prompts, num_samples=3, temperature=1.0, seed=7)
-    assert a == b and len(a) == 3 and all(len(r) == 3 for r in a)
+    assert _accuracy(fresh, tok, task, EXAMPLES, max_new_tokens=8, greedy=True) == 0.0
+    # Near-zero temperature sampling agrees with greedy, four samples per problem.
+    cold = _accuracy(model, tok, task, EXAMPLES * 4, max_new_tokens=8, temperature=1e-3, seed=3)
+    assert cold == 1.0
 
 
 def _small_warm_start(tmp_path: Path, steps: int = 3, **kwargs: object) -> Path:

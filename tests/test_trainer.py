@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
+from conftest import sample
 from emapg import kl, trainer
 from emapg.config import load_config
 from emapg.models import load_model_and_tokenizer
-from emapg.rollout.hf import generate
 
 FAST = [
     "task.num_train=64",
@@ -53,7 +53,7 @@ def test_trainer_kl_path_equals_token_kl(tmp_path, tiny_model_dir, estimator, di
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     sampler, _ = load_model_and_tokenizer(tiny_model_dir)
-    batch = generate(
+    batch = sample(
         model, tokenizer, ["12+34=", "5+6=", "70+8="] * 2, max_new_tokens=5, temperature=0.8,
         topk=k if direction == "reverse" else 0,
     )  # fmt: skip

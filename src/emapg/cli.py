@@ -22,7 +22,8 @@ def _train(args) -> None:
 
     cfg = load_config(args.config, args.overrides)
     result = train(cfg, resume=args.resume)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports for all
+    # Under torchrun rank 0 reports for all; the process group is closed by now, so ask the env.
+    if os.environ.get("RANK", "0") != "0":
         return
     before, after = result["accuracy_before"], result["accuracy_after"]
     print(
@@ -33,7 +34,8 @@ def _train(args) -> None:
 
 def _sft(args) -> None:
     from emapg.config import load_config
-    from emapg.trainer import load_policy, make_task
+    from emapg.tasks import make_task
+    from emapg.trainer import load_policy
 
     cfg = load_config(args.config, args.overrides)
     task = make_task(cfg)

@@ -1,0 +1,207 @@
+"""The pipeline's seams: the engine protocol, the multi-turn loop over any engine and environment,
+the task registry with a user's task, the phase timer, checkpoint formats and samples.jsonl."""
+
+import json
+
+import pytest
+import torch
+
+from emapg import trainer
+from emapg.errors import EmapgError
+from emapg.models import build_tiny_tokenizer, load_model_and_tokenizer
+from emapg.rollout import Rollout, RolloutEngine, SamplingParams, left_pad
+from emapg.rollout.hf import HFEngine
+from emapg.rollout.multiturn import Environment, run_episodes
+from emapg.tasks import make_task, register_task, task_names
+from emapg.tasks.base import Example, Task
+from test_trainer import config
+
+
+class ScriptedEngine:
+    """Answers each row with the next text of its script (EOS appended when the text ends in
+    "."), cut to the call's max_new_tokens; log-prob -0.5 per token, top-k ids 1..k."""
+
+    def __init__(self, tokenizer, scripts: dict[int, list[str]]):
+        self.tokenizer, self.scripts, self.calls = tokenizer, {r: list(s) for r, s in scripts.items()}, []
+
+    def sample(self, prompt_ids, params, *, rows=None) -> Rollout:
+        self.calls.append((list(rows), [list(p) for p in prompt_ids], params.max_new_tokens))
+        tok = self.tokenizer
+        responses = []
+        for row in rows:
+            text = self.scripts[row].pop(0)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            ids = (ids + [tok.eos_token_id] if text.endswith(".") else ids)[: params.max_new_tokens]
+            responses.append(ids)
+        prompts, prompt_mask = left_pad(prompt_ids, tok.pad_token_id)
+        width = max(map(len, responses))
+        body = torch.full((len(rows), width), tok.pad_token_id)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, r in enumerate(responses):
+            body[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), True
+        k = params.topk
+        return Rollout(
+            sequences=torch.cat([prompts, body], 1), attention_mask=torch.cat([prompt_mask, mask.long()], 1),
+            prompt_len=prompts.shape[1], response_mask=mask, sampling_logp=torch.where(mask, -0.5, 0.0),
+            topk_ids=torch.arange(1, k + 1).expand(len(rows), width, k).clone(), entropy=mask.float(),
+            texts=[tok.decode(r, skip_special_tokens=True) for r in responses],
+        )  # fmt: skip
+
+    def sync_weights(self, model, version):
+        pass
+
+    def close(self):
+        pass
+
+
+class ScriptedEnvironment:
+    """Inserts "(ok)" after a turn that ends in "?" (at most twice per episode); anything else ends it."""
+
+    stop = ("?",)
+
+    def reset(self, prompts):
+        self.prompts, self.answered, self.seen = list(prompts), [0] * len(prompts), []
+
+    def step(self, episodes, turns):
+        self.seen.append((list(episodes), list(turns)))
+        out = []
+        for i, turn in zip(episodes, turns, strict=True):
+            ok = turn.endswith("?") and self.answered[i] < 2
+            self.answered[i] += ok
+            out.append("(ok)" if ok else None)
+        return out
+
+
+def test_engines_satisfy_the_protocol(tiny_model_dir):
+    model, tok = load_model_and_tokenizer(tiny_model_dir)
+    assert isinstance(HFEngine(model, tok), RolloutEngine)
+    assert isinstance(ScriptedEngine(tok, {}), RolloutEngine)
+    assert isinstance(ScriptedEnvironment(), Environment)
+    from emapg.search.environment import SearchEnvironment
+
+    assert isinstance(SearchEnvironment(None, docs_per_search=1, max_turns=1), Environment)
+
+
+def test_multiturn_loop_drives_any_engine_with_exact_masks_rows_and_budget():
+    tok = build_tiny_tokenizer()
+    scripts = {
+        10: ["a?", "b?", "c?"],  # two answers, then the environment ends it
+        11: ["done."],  # EOS: the environment is not asked
+        12: ["why?", "long tail here"],  # the second turn hits the episode's token budget
+    }
+    engine, env = ScriptedEngine(tok, scripts), ScriptedEnvironment()
+    prompts = ["p:", "q:", "r:"]
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    out = run_episodes(
+        engine, env, tok, prompts, prompt_ids, SamplingParams(max_new_tokens=16, topk=2),
+        eos=[tok.eos_token_id], rows=[10, 11, 12],
+    )  # fmt: skip
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    want = [
+        [("a?", True), ("(ok)", False), ("b?", True), ("(ok)", False), ("c?", True)],
+        [("done.", True)],
+        [("why?", True), ("(ok)", False), ("long tai", True)],  # cut at the episode's 16 tokens
+    ]
+    for row, parts in enumerate(want):
+        tokens = [t for text, _ in parts for t in ids(text)]
+        mask = [m for text, m in parts for _ in ids(text)]
+        if row == 1:
+            tokens, mask = tokens + [tok.eos_token_id], mask + [True]
+        n = len(tokens)
+        assert out.responses[row, :n].tolist() == tokens
+        assert out.response_mask[row].tolist() == mask + [False] * (out.response_mask.shape[1] - n)
+        assert out.attention_mask[row, out.prompt_len :].tolist()[:n] == [1] * n
+        assert out.sampling_logp[row, :n].tolist() == [-0.5 if m else 0.0 for m in mask]
+        assert out.topk_ids[row, :n].tolist() == [[1, 2] if m else [0, 0] for m in mask]
+    # Each turn samples only the active episodes, under their own global rows, from their ids so far,
+    # with the budget they have left; the environment sees the decoded turns.
+    assert [c[0] for c in engine.calls] == [[10, 11, 12], [10, 12], [10]]
+    assert engine.calls[1][1][0] == prompt_ids[0] + ids("a?(ok)")
+    assert [c[2] for c in engine.calls] == [16, 16 - 6, 16 - 12]
+    assert env.seen == [([0, 2], ["a?", "why?"]), ([0], ["b?"]), ([0], ["c?"])]
+    assert out.texts == ["a?(ok)b?(ok)c?", "done.", "why?(ok)long tai"]
+
+
+class EchoTask(Task):
+    """A user's task: reward 1 when the response starts with the prompt's last character."""
+
+    name = "echo"
+    score_is_safe = True
+
+    def train_examples(self):
+        return [Example(f"{d}+{d}=", d) for d in "123456789"]
+
+    def eval_examples(self):
+        return [Example(f"{d}=", d) for d in "1234"]
+
+    def score(self, response, example):
+        return float(response.startswith(example.answer))
+
+    def metrics(self, responses, examples):
+        return {"echo/length": sum(map(len, responses)) / len(responses)}
+
+
+def test_the_registry_trains_a_users_task(tmp_path, tiny_model_dir):
+    register_task("echo", lambda cfg: EchoTask())
+    assert "echo" in task_names()
+    cfg = config(tmp_path, tiny_model_dir, "task.name=echo", "train.steps=2", "train.eval_every=1")
+    assert isinstance(make_task(cfg), EchoTask)
+    trainer.train(cfg)
+    records = [
+        json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all("echo/length" in r for r in records[1:]) and all("eval/echo/length" in r for r in records)
+    samples = [
+        json.loads(line) for line in (tmp_path / "quickstart" / "samples.jsonl").read_text().splitlines()
+    ]
+    assert [s["step"] for s in samples] == [0] * 4 + [1] * 4 + [2] * 4
+    for s in samples:  # what the policy wrote, with the reward the task gave it
+        assert s["reward"] == float(s["response"].startswith(s["answer"])) and s["prompt"].endswith("=")
+
+
+def test_an_unknown_task_or_a_factory_returning_no_task_stops_with_one_line(tmp_path, tiny_model_dir):
+    with pytest.raises(
+        EmapgError, match=r"task.name: unknown 'ecko' \(did you mean 'echo'\?\); registered: "
+    ):
+        register_task("echo", lambda cfg: EchoTask())
+        config(tmp_path, tiny_model_dir, "task.name=ecko")
+    register_task("not_a_task", lambda cfg: object())
+    with pytest.raises(EmapgError, match="task 'not_a_task': its factory returned object, not an emapg Task"):
+        make_task(config(tmp_path, tiny_model_dir, "task.name=not_a_task"))
+
+
+def test_phase_timer_counts_nested_phases_once(monkeypatch):
+    clock = iter([0.0, 1.0, 3.0, 10.0, 10.0, 12.0])
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: next(clock))
+    timer = trainer.PhaseTimer()
+    with timer("update"), timer("ema"):  # update 0 .. 10, of which the EMA is 1 .. 3
+        pass
+    with timer("scoring"):  # 10 .. 12
+        pass
+    assert timer.seconds == {"ema": 2.0, "update": 8.0, "scoring": 2.0}
+
+
+def _checkpoint_state(tmp_path):
+    return tmp_path / "quickstart" / "checkpoints" / "step_2" / "state.json"
+
+
+def test_checkpoints_of_the_older_format_resume_and_unknown_formats_stop(tmp_path, tiny_model_dir):
+    cfg = config(tmp_path, tiny_model_dir, "train.steps=2", "train.save_every=2")
+    trainer.train(cfg)
+    path = _checkpoint_state(tmp_path)
+    state = json.loads(path.read_text())
+    assert state["format"] == trainer.CHECKPOINT_FORMAT and state["trainer"]["optimizer_steps"] == 2
+    # Format 1 (before this field existed, and before skipped_steps was counted) still resumes.
+    del state["format"], state["trainer"]["skipped_steps"], state["trainer"]["bad_in_row"]
+    path.write_text(json.dumps(state))
+    result = trainer.train(
+        config(tmp_path, tiny_model_dir, "train.steps=3", "train.save_every=3"), resume=True
+    )
+    assert result["accuracy_before"] == state["trainer"]["accuracy_before"]
+    path = path.parent.parent / "step_3" / "state.json"
+    state = json.loads(path.read_text())
+    state["format"] = 99
+    path.write_text(json.dumps(state))
+    with pytest.raises(EmapgError, match=r"step_3 has format 99; this emapg resumes formats 1 to 2$"):
+        trainer.train(config(tmp_path, tiny_model_dir, "train.steps=3"), resume=True)

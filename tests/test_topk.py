@@ -46,6 +46,36 @@ def test_summary_matches_autograd(from_hidden):
         assert torch.allclose(a, b, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale,softcap", [(0.25, None), (1.0, 1.5), (3.0, 2.0)])
+def test_scaled_softcapped_head_matches_autograd(scale, softcap):
+    """logits = c * tanh(scale * hidden @ W.T / c), forward and the hand-written backward."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(B, T, H, generator=g, dtype=DT, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, dtype=DT, requires_grad=True)
+    ids = torch.randint(0, V, (B, T, 4), generator=g)
+    g_lse, g_gathered = torch.randn(B, T, generator=g, dtype=DT), torch.randn(B, T, 4, generator=g, dtype=DT)
+
+    def head():
+        z = scale * (hidden @ weight.T)
+        return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+    def grads(lse, gathered):
+        loss = (lse * g_lse).sum() + (gathered * g_gathered).sum()
+        return [lse, gathered, *torch.autograd.grad(loss, (hidden, weight))]
+
+    if softcap is not None:
+        assert (scale * (hidden @ weight.T)).abs().max() > 2 * softcap  # the cap binds
+    want = reference(head(), ids, 0.7, K)
+    got = topk.summarize_hidden(
+        hidden, weight, ids, topk=K, temperature=0.7, entropy=True, chunk_size=3, scale=scale, softcap=softcap
+    )
+    assert torch.equal(got.topk_ids, want[2].indices)
+    assert torch.allclose(got.topk_logp, want[2].values)
+    assert torch.allclose(got.entropy, want[3])
+    for a, b in zip(grads(got.lse, got.gathered), grads(*want[:2]), strict=True):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
 CASES = [
     ("topk", "reverse", K),
     ("topk", "forward", K),

@@ -200,3 +200,16 @@ def test_config_rejects_bad_fields(tmp_path, fields, message):
 def test_trainer_requires_an_emapg_config(tiny_model_dir, tmp_path):
     with pytest.raises(EmapgError, match="args must be an EMAPGConfig; got GRPOConfig"):
         EMAPGTrainer(tiny_model_dir, _length_reward, args=GRPOConfig(output_dir=str(tmp_path), **COMMON))
+
+
+def test_topk_needs_a_head_lm_head_reproduces(tiny_model_dir):
+    """The shared emapg.lm_head decision: scaled heads are reproduced, unknown modifiers refused."""
+    from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    granite = GraniteForCausalLM(GraniteConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=2, logits_scaling=8.0))  # fmt: skip
+    assert EMAPGTrainer._head(granite).scale == pytest.approx(1 / 8.0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.config.lm_head_multiplier = 2.0
+    with pytest.raises(EmapgError, match="not one emapg.lm_head reproduces"):
+        EMAPGTrainer._head(model)

@@ -113,13 +113,36 @@ class _SummarizeLogits(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _head_logits(z: Tensor, scale: float, softcap: float | None, inv_temp: float) -> Tensor:
+    """Tempered logits x of one chunk from z = hidden @ W.T (fp32): softcap(scale * z) / T,
+
+    with softcap(y) = c * tanh(y / c) (none when c is None).
+    """
+    if softcap is None:
+        return z * (scale * inv_temp)
+    return torch.tanh(z * (scale / softcap)).mul_(softcap * inv_temp)
+
+
+def _scale_by_slope(g: Tensor, x: Tensor, scale: float, softcap: float | None, inv_temp: float) -> Tensor:
+    """d loss / d z from g = d loss / d x, in place: dx/dz = (1 - tanh^2) * scale / T. Consumes x."""
+    if softcap is None:
+        return g.mul_(scale * inv_temp)
+    slope = x.mul_(1.0 / (softcap * inv_temp)).square_().neg_().add_(1.0).mul_(scale * inv_temp)
+    return g.mul_(slope)
+
+
 class _SummarizeHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ids, inv_temp, topk, with_entropy, chunk_size):
+    def forward(ctx, hidden, weight, ids, inv_temp, scale, softcap, topk, with_entropy, chunk_size):
         acc = _Forward(ids.shape[0], ids.shape[1], topk, with_entropy, hidden)
-        out = acc.run(lambda a, b: (hidden[a:b] @ weight.T).to(acc.lse.dtype) * inv_temp, ids, chunk_size)
+
+        def logits_of(a, b):
+            return _head_logits((hidden[a:b] @ weight.T).to(acc.lse.dtype), scale, softcap, inv_temp)
+
+        out = acc.run(logits_of, ids, chunk_size)
         ctx.save_for_backward(hidden, weight, ids, out[0])
-        ctx.inv_temp, ctx.chunk_size = inv_temp, chunk_size
+        ctx.head = (scale, softcap, inv_temp)
+        ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(*[t for t in out[2:] if t is not None])
         return out
 
@@ -131,15 +154,14 @@ class _SummarizeHidden(torch.autograd.Function):
         for a in range(0, hidden.shape[0], ctx.chunk_size):
             b = min(a + ctx.chunk_size, hidden.shape[0])
             h = hidden[a:b]
-            x = (h @ weight.T).to(lse.dtype) * ctx.inv_temp
-            g = (_chunk_grad_logits(x, lse[a:b], ids[a:b], g_lse[a:b], g_gathered[a:b]) * ctx.inv_temp).to(
-                h.dtype
-            )
+            x = _head_logits((h @ weight.T).to(lse.dtype), *ctx.head)
+            g = _chunk_grad_logits(x, lse[a:b], ids[a:b], g_lse[a:b], g_gathered[a:b])
+            g = _scale_by_slope(g, x, *ctx.head).to(h.dtype)
             if grad_hidden is not None:
                 grad_hidden[a:b] = g @ weight
             grad_weight += g.T @ h
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _pack(lead: torch.Size, out, topk: int) -> Summary:
@@ -187,8 +209,14 @@ def summarize_hidden(
     temperature: float = 1.0,
     entropy: bool = False,
     chunk_size: int | None = None,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> Summary:
-    """Like `summarize` for logits = hidden [..., H] @ weight[V, H].T, never materialised whole."""
+    """Like `summarize` for logits = hidden [..., H] @ weight[V, H].T, never materialised whole.
+
+    With `scale` and `softcap` c the logits are c * tanh(scale * hidden @ weight.T / c) (no cap
+    when c is None), as an LM head that scales or soft-caps them makes them (emapg.lm_head).
+    """
     lead = hidden.shape[:-1]
     chunk = chunk_size or default_chunk_size(weight.shape[0])
     out = _SummarizeHidden.apply(
@@ -196,6 +224,8 @@ def summarize_hidden(
         weight,
         ids.reshape(-1, ids.shape[-1]).long(),
         1.0 / temperature,
+        float(scale),
+        None if softcap is None else float(softcap),
         topk,
         entropy,
         chunk,

@@ -9,7 +9,6 @@ tensor is ever stored.
 
 from __future__ import annotations
 
-import inspect
 import math
 import random
 import time
@@ -19,17 +18,18 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, distributed, kl, topk
+from emapg import checkpoint, distributed, kl
 from emapg.advantages import group_advantages
 from emapg.anchor import Anchor
 from emapg.config import Config, to_dict, validate_world
 from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
 from emapg.guards import step_is_finite
+from emapg.lm_head import response_summary
 from emapg.metrics import MetricsLog
 from emapg.models import load_model_and_tokenizer
 from emapg.policy_loss import aggregate, aggregation_total, ppo_clip
@@ -41,45 +41,6 @@ from emapg.tasks.base import Example, Task
 
 # ---------------------------------------------------------------------------------------------
 # Model passes
-
-
-def _uses_linear_head(model: nn.Module) -> bool:
-    """Whether logits = hidden @ W.T exactly, so the fused chunked head can replace lm_head."""
-    head = model.get_output_embeddings()
-    scaled = any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logits_scaling"))
-    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return isinstance(head, nn.Linear) and head.bias is None and not scaled and keeps
-
-
-def response_summary(
-    model: nn.Module, batch: Rollout, ids: Tensor, *, temperature: float, topk_self: int = 0
-):
-    """Summary of the model's tempered distribution at every response position, at `ids` [N, L, m].
-
-    The hidden state at column P + t - 1 predicts response token t.
-    """
-    mask = batch.attention_mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    p = batch.prompt_len
-    if _uses_linear_head(model):
-        # The root forward (where FSDP gathers the head and embeddings) with the logits of one
-        # position only; the final hidden states are caught as they leave the base model.
-        caught = []
-        hook = model.base_model.register_forward_hook(lambda module, args, out: caught.append(out[0]))
-        try:
-            model(input_ids=batch.sequences, attention_mask=mask, position_ids=positions, logits_to_keep=1)
-        finally:
-            hook.remove()
-        hidden = caught[0]
-        return topk.summarize_hidden(
-            hidden[:, p - 1 : -1],
-            model.get_output_embeddings().weight,
-            ids,
-            topk=topk_self,
-            temperature=temperature,
-        )
-    logits = model(input_ids=batch.sequences, attention_mask=mask, position_ids=positions).logits
-    return topk.summarize(logits[:, p - 1 : -1], ids, topk=topk_self, temperature=temperature)
 
 
 @dataclass

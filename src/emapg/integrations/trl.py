@@ -12,8 +12,9 @@ two things change:
 Override points: `_generate_and_score_completions` (anchor statistics for the top-k
 estimators), `_get_per_token_logps_and_entropies` (to keep the policy log-probs of the loss
 pass), `_compute_loss` (TRL's loss with its KL switched off, plus ours) and a callback for
-the EMA step. Supported: text-only models with a plain LM head, no PEFT (the anchor must be
-a separate model).
+the EMA step. Supported: text-only models, no PEFT (the anchor must be a separate model); the
+top-k estimators need an LM head that `emapg.lm_head.head_of` reproduces exactly (plain,
+Cohere's scale, Granite's scaling, Gemma 2's soft-cap).
 """
 
 from __future__ import annotations
@@ -29,12 +30,8 @@ from trl import GRPOConfig, GRPOTrainer
 from emapg import kl
 from emapg.anchor import Anchor
 from emapg.errors import EmapgError
-from emapg.topk import Summary, summarize_hidden
-
-# Model config fields that change the LM head's logits beyond hidden @ W.T; the top-k
-# estimators recompute the head themselves and support only the plain one.
-_HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                   "logits_scaling")  # fmt: skip
+from emapg.lm_head import backbone, final_hidden, head_of
+from emapg.topk import Summary
 
 
 @dataclass
@@ -146,19 +143,22 @@ class EMAPGTrainer(GRPOTrainer):
         # "exact" is the top-k estimator with q = the whole vocabulary (O(V) per token, as exact KL is).
         self.kl_topk = vocab if args.kl_estimator == "exact" else args.kl_topk
         if self.uses_topk:
-            self._check_plain_head(policy, vocab)
+            for model in (policy, self.anchor.model):
+                self._head(model)
         self._loss_capture: dict | None = None
 
     @staticmethod
-    def _check_plain_head(policy, vocab: int) -> None:
-        text_config = policy.config.get_text_config()
-        modifiers = [name for name in _HEAD_MODIFIERS if getattr(text_config, name, None) not in (None, 1.0)]
-        if modifiers or getattr(policy.get_output_embeddings(), "bias", None) is not None:
+    def _head(model):
+        """The model's LM head for the chunked top-k pass; an error when it cannot be reproduced."""
+        head = head_of(model)
+        if head is None:
             raise EmapgError(
-                f"EMAPGTrainer: kl_estimator needs a plain LM head (logits = hidden @ W.T) for the top-k "
-                f"estimators; this model has {', '.join(modifiers) or 'an LM head bias'} (use a sampled "
-                "estimator such as k3 instead)"
+                f"EMAPGTrainer: the top-k KL estimators recompute the LM head from hidden states, and "
+                f"{type(model).__name__}'s head is not one emapg.lm_head reproduces exactly (a bias, an "
+                "unknown logit modifier, or logits that differ from softcap(scale * hidden @ W.T)); use a "
+                "sampled estimator such as k3 instead"
             )
+        return head
 
     @contextmanager
     def _trl_kl_off(self):
@@ -191,16 +191,18 @@ class EMAPGTrainer(GRPOTrainer):
         parts = []
         for a in range(0, input_ids.shape[0], step):
             with self.accelerator.autocast():
-                out = model.base_model(
-                    input_ids=input_ids[a : a + step], attention_mask=attention_mask[a : a + step]
+                fused = final_hidden(
+                    model, input_ids=input_ids[a : a + step], attention_mask=attention_mask[a : a + step]
                 )
-            parts.append(out.last_hidden_state[:, -completion_len - 1 : -1])
+            if fused is None:  # the head did not reproduce the model's own logits
+                self._head(model)
+            parts.append(fused[0][:, -completion_len - 1 : -1])
         return torch.cat(parts)
 
     def _head_summary(self, model, hidden: Tensor, ids: Tensor, topk: int = 0) -> Summary:
         """Summary of the tempered LM-head distribution from `hidden`, in chunks of tokens (never [T, V])."""
-        weight = self.accelerator.unwrap_model(model).get_output_embeddings().weight
-        return summarize_hidden(hidden.to(weight.dtype), weight, ids, topk=topk, temperature=self.temperature)
+        head = self._head(self.accelerator.unwrap_model(model))
+        return head.summarize(hidden, ids, topk=topk, temperature=self.temperature)
 
     @torch.no_grad()
     def _anchor_statistics(self, out: dict) -> dict:
@@ -236,8 +238,7 @@ class EMAPGTrainer(GRPOTrainer):
         # Inside the loss: keep the policy log-probs (and, for top-k, the hidden states) it computes.
         hook = None
         if self.uses_topk:
-            backbone = self.accelerator.unwrap_model(model).base_model
-            hook = backbone.register_forward_hook(
+            hook = backbone(self.accelerator.unwrap_model(model)).register_forward_hook(
                 lambda _m, _i, o: self._loss_capture.setdefault("hidden", []).append(o.last_hidden_state)
             )
         try:

@@ -57,7 +57,9 @@ def test_chat_template_is_applied_without_a_second_bos(tiny_model_dir):
 
     _, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     plain = tokenizer(["1+1="])["input_ids"]
-    assert encode_prompts(tokenizer, ["1+1="], chat_template=True) == plain  # the tiny tokenizer has no template
+    assert (
+        encode_prompts(tokenizer, ["1+1="], chat_template=True) == plain
+    )  # the tiny tokenizer has no template
     tokenizer.chat_template = (
         "{{ bos_token }}{% for m in messages %}q: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}a: {% endif %}"

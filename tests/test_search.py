@@ -40,7 +40,12 @@ def search_rollout(model, tok, prompts, retriever, *, docs_per_search, max_turns
     """Search episodes through the HF engine and the search environment."""
     env = SearchEnvironment(retriever, docs_per_search=docs_per_search, max_turns=max_turns)
     return run_episodes(
-        HFEngine(model, tok), env, tok, prompts, encode_prompts(tok, prompts), SamplingParams(**params),
+        HFEngine(model, tok),
+        env,
+        tok,
+        prompts,
+        encode_prompts(tok, prompts),
+        SamplingParams(**params),
         eos=eos_ids(model, tok),
     )
 

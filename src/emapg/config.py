@@ -59,7 +59,8 @@ class WarmStartConfig:
 @dataclass
 class TaskConfig:
     name: str = _f(
-        "arithmetic", "a registered task (emapg.tasks.register_task); search's settings: the retriever section"
+        "arithmetic",
+        "a registered task (emapg.tasks.register_task); search's settings: the retriever section",
     )
     seed: int = _f(1234, "seed of the generated data (independent of train.seed)")
     num_train: int = _f(4000, "training problems")

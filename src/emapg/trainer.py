@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 

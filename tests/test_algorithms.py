@@ -56,17 +56,20 @@ def test_ppo_clip_on_hand_made_ratios():
         assert torch.allclose(grad, want_grad)
 
 
-def test_aggregation_token_mean_and_seq_mean_and_exact_accumulation():
+def test_aggregations_by_hand_and_exact_accumulation():
     values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, True], [True, False, False]])
-    tm = aggregate(values, mask, "token_mean", aggregation_total(mask, "token_mean"))
-    assert tm.item() == pytest.approx(10 / 4)
-    sm = aggregate(values, mask, "seq_mean", aggregation_total(mask, "seq_mean"))
-    assert sm.item() == pytest.approx((2.0 + 4.0) / 2)
-    for mode in ("token_mean", "seq_mean"):
-        total = aggregation_total(mask, mode)
+    want = {
+        "token_mean": (1 + 2 + 3 + 4) / 4,
+        "seq_mean_token_mean": ((1 + 2 + 3) / 3 + 4 / 1) / 2,
+        "seq_mean_token_sum": ((1 + 2 + 3) + 4) / 2,
+        "seq_mean_token_sum_norm": ((1 + 2 + 3) / 5 + 4 / 5) / 2,  # length 5: the response limit
+    }
+    for mode, value in want.items():
+        total = aggregation_total(mask, mode, length=5)
+        assert aggregate(values, mask, mode, total).item() == pytest.approx(value)
         parts = aggregate(values[:1], mask[:1], mode, total) + aggregate(values[1:], mask[1:], mode, total)
-        assert parts.item() == pytest.approx(aggregate(values, mask, mode, total).item())
+        assert parts.item() == pytest.approx(value)  # micro-batches add up to the minibatch's loss
 
 
 class Tiny(nn.Module):

@@ -1,6 +1,8 @@
 """Multi-process training (torchrun, FSDP2, gloo on CPU) against one process.
 
-One 2-process run (checkpoint every step; 5 eval problems, so rank 1's eval slice is padded)
+One 2-process run (checkpoint every step; 5 eval problems, so rank 1's eval slice is padded;
+two minibatches per step, split unevenly between the ranks, so their micro-batch counts differ
+and the shorter rank runs padding passes)
 serves three checks: its parameters and metrics equal
 a 1-process run on the same global batch, its sharded EMA anchor equals the formula applied to
 its gathered policy trajectory, and a 2-process run stopped at step 2 and resumed equals it.
@@ -30,7 +32,7 @@ from emapg.tasks.arithmetic import ArithmeticTask
 ETA, PERIOD, STEPS = 0.5, 2, 4
 TASK = ["task.num_train=40", "task.num_eval=5", "task.min_digits=1", "task.max_digits=1"]
 ARGS = [*TASK, "eval.samples=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_new_tokens=4", "algo.micro_batch_size=4", "train.progress=false",
+        "rollout.max_new_tokens=4", "algo.micro_batch_size=3", "algo.minibatches=2", "train.progress=false",
         "train.tensorboard=false", "train.eval_every=2", "train.save_every=1", "train.keep_checkpoints=10",
         "train.threads=1", "optim.lr=1e-2", "kl.beta=0.1", "kl.k=4", f"anchor.eta={ETA}",
         f"anchor.update_period={PERIOD}"]  # fmt: skip
@@ -156,7 +158,6 @@ def test_sharded_checkpoint_does_not_resume_in_one_process(model_dir, two, capsy
     "section,key,value,message",
     [
         ("rollout", "prompts_per_step", 3, "rollout.prompts_per_step=3 must be divisible by the 2 processes"),
-        ("algo", "minibatches", 2, "algo.minibatches=2: multi-process training takes one optimiser step"),
         ("task", "name", "search", "task.name=search runs in one process"),
         ("rollout", "engine", "vllm", "rollout.engine=vllm runs in one process; torchrun started 2"),
     ],

@@ -45,6 +45,7 @@ class ScriptedEngine:
             prompt_len=prompts.shape[1], response_mask=mask, sampling_logp=torch.where(mask, -0.5, 0.0),
             topk_ids=torch.arange(1, k + 1).expand(len(rows), width, k).clone(), entropy=mask.float(),
             texts=[tok.decode(r, skip_special_tokens=True) for r in responses],
+            truncated=torch.tensor([len(r) == params.max_new_tokens and r[-1] != tok.eos_token_id for r in responses]),
         )  # fmt: skip
 
     def sync_weights(self, model, version):
@@ -120,6 +121,7 @@ def test_multiturn_loop_drives_any_engine_with_exact_masks_rows_and_budget():
     assert [c[2] for c in engine.calls] == [16, 16 - 6, 16 - 12]
     assert env.seen == [([0, 2], ["a?", "why?"]), ([0], ["b?"]), ([0], ["c?"])]
     assert out.texts == ["a?(ok)b?(ok)c?", "done.", "why?(ok)long tai"]
+    assert out.truncated.tolist() == [False, False, True]  # only the last one ran out of tokens
 
 
 class EchoTask(Task):

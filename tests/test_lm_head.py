@@ -73,6 +73,7 @@ def rollout() -> Rollout:
         topk_ids=torch.zeros(N, L, 0, dtype=torch.long),
         entropy=torch.zeros(N, L),
         texts=[""] * N,
+        truncated=torch.zeros(N, dtype=torch.bool),
     )
 
 

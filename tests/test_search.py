@@ -362,6 +362,7 @@ def test_loss_and_kl_ignore_masked_tokens():
         sequences=seq, attention_mask=torch.ones_like(seq), prompt_len=p, response_mask=mask,
         sampling_logp=torch.randn(n, length).clamp(max=0), topk_ids=torch.randint(0, vocab, (n, length, 4)),
         entropy=torch.zeros(n, length), texts=["."] * n,
+        truncated=torch.zeros(n, dtype=torch.bool),
     )  # fmt: skip
     cfg = Config()
     cfg.kl.k = 4

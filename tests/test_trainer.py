@@ -117,7 +117,7 @@ def _strip_times(records):
 
 def test_resume_continues_exactly(tmp_path, tiny_model_dir):
     common = ["train.steps=4", "train.eval_every=2", "train.save_every=2", "anchor.update_period=1", "kl.k=4",
-              "algo.minibatches=2", "algo.epochs=2"]  # fmt: skip
+              "algo.minibatches=2", "algo.epochs=2", "anchor.period_unit=optimizer_steps"]  # fmt: skip
     straight = config(tmp_path / "a", tiny_model_dir, *common)
     trainer.train(straight)
     # Interrupted after step 2 (its checkpoint), then resumed to step 4.

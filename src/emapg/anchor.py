@@ -11,14 +11,15 @@ from emapg import distributed
 from emapg.errors import EmapgError
 
 KINDS = ("ema", "frozen", "none")  # anchor.kind: an EMA of the policy, the frozen start, no anchor
+PERIOD_UNITS = ("training_steps", "optimizer_steps")  # what anchor.update_period counts
 
 
 class Anchor:
     """pi_ref for the KL term.
 
     eta = 1 is plain GRPO's frozen reference; eta < 1 is the EMA anchor
-    theta_ema <- eta * theta_ema + (1 - eta) * theta, applied every `update_period` optimiser
-    steps. The anchor holds one copy of the weights; updates are in-place lerps
+    theta_ema <- eta * theta_ema + (1 - eta) * theta, applied every `update_period` steps
+    (training steps, as in the paper, or optimiser steps: the caller counts). The anchor holds one copy of the weights; updates are in-place lerps
     (torch._foreach_lerp_), so no second copy is allocated per step; sharded by FSDP, each rank
     lerps its own shards. Its parameters never require grad and are never seen by the optimiser.
     """
@@ -35,9 +36,10 @@ class Anchor:
         self.updates = 0
 
     @torch.no_grad()
-    def step(self, policy: nn.Module, optimizer_step: int) -> bool:
-        """Call after optimiser step number `optimizer_step` (1-based); True when it updated."""
-        if self.eta == 1.0 or optimizer_step % self.update_period:
+    def step(self, policy: nn.Module, count: int) -> bool:
+        """Call after step number `count` (1-based) of the unit the period counts (training or
+        optimiser steps); True when it updated."""
+        if self.eta == 1.0 or count % self.update_period:
             return False
         # FSDP: free gathered copies, then lerp each rank's local shards (views of the DTensors).
         distributed.reshard(self.model)

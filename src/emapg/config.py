@@ -20,6 +20,7 @@ import yaml
 from emapg import kl
 from emapg.advantages import MODES as ADVANTAGES
 from emapg.anchor import KINDS as ANCHORS
+from emapg.anchor import PERIOD_UNITS
 from emapg.errors import EmapgError
 from emapg.policy_loss import AGGREGATIONS
 from emapg.rewards import ISOLATION
@@ -100,6 +101,9 @@ class OptimConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     betas: list = _f([0.9, 0.99], "AdamW betas")
     warmup_steps: int = _f(5, "linear warm-up, in optimiser steps")
+    warmup_ratio: float = _f(
+        0.0, "linear warm-up as a share of all optimiser steps; > 0 overrides warmup_steps"
+    )
     max_grad_norm: float = _f(1.0, "gradient clipping by global norm; 0 disables")
 
 
@@ -111,6 +115,12 @@ class AlgoConfig:
     epochs: int = _f(1, "passes over each rollout batch")
     minibatches: int = _f(1, "optimiser steps per epoch (the batch is split this many ways)")
     micro_batch_size: int = _f(64, "sequences per forward/backward (gradient accumulation)")
+    micro_batch_tokens: int = _f(
+        0, "pack micro-batches up to this many tokens (rows x padded length) instead; 0: by micro_batch_size"
+    )
+    mask_overlong: bool = _f(
+        False, "leave responses cut at the length limit (no EOS or stop) out of the loss"
+    )
     loss_aggregation: str = _f("token_mean", "every token weighs the same, or every sequence", AGGREGATIONS)
 
 
@@ -130,7 +140,12 @@ class KLConfig:
 class AnchorConfig:
     kind: str = _f("ema", "ema, frozen (eta = 1) or none (needs kl.beta = 0)", ANCHORS)
     eta: float = _f(0.9, "EMA decay: anchor <- eta * anchor + (1 - eta) * policy")
-    update_period: int = _f(10, "optimiser steps between EMA updates")
+    update_period: int = _f(10, "steps between EMA updates, counted in anchor.period_unit")
+    period_unit: str = _f(
+        "training_steps",
+        "what update_period counts: rollout batches (the paper's) or optimiser steps",
+        PERIOD_UNITS,
+    )
 
 
 @dataclass
@@ -147,6 +162,7 @@ class TrainConfig:
     )
     threads: int = _f(0, "torch CPU threads; 0 leaves torch's default")
     device: str = _f("auto", "auto: cuda when available, else cpu", DEVICES)
+    gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass (less memory)")
     tensorboard: bool = _f(True, "write TensorBoard events when tensorboard is installed")
     wandb: bool = _f(False, "log to Weights & Biases (needs wandb)")
     progress: bool = _f(True, "show a progress bar")
@@ -173,6 +189,8 @@ class EvalConfig:
         False, "greedy decoding for eval/accuracy (default: sampled at the rollout temperature)"
     )
     samples: int = _f(4, "sampled responses per held-out problem; eval/accuracy is their mean (pass@1)")
+    temperature: float = _f(1.0, "sampling temperature of evaluation (its own, not the rollout's)")
+    top_p: float = _f(1.0, "nucleus sampling of evaluation")
     batch_size: int = _f(256, "sequences per generate call during evaluation")
 
 
@@ -353,6 +371,10 @@ def validate(cfg: Config) -> None:
         cfg.algo.epochs >= 1 and cfg.algo.minibatches >= 1, "algo.epochs and algo.minibatches must be >= 1"
     )
     _check(cfg.algo.micro_batch_size >= 1, "algo.micro_batch_size must be >= 1")
+    _check(cfg.algo.micro_batch_tokens >= 0, "algo.micro_batch_tokens must be >= 0 (0: by micro_batch_size)")
+    _check(0 <= cfg.optim.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
+    _check(cfg.eval.temperature > 0, "eval.temperature must be > 0")
+    _check(0 < cfg.eval.top_p <= 1, "eval.top_p must be in (0, 1]")
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     _check(
         batch % cfg.algo.minibatches == 0,
@@ -428,11 +450,6 @@ def validate_world(cfg: Config, world: int) -> None:
         cfg.rollout.prompts_per_step % world == 0,
         f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the {world} "
         "processes (each rank takes whole groups)",
-    )
-    _check(
-        cfg.algo.minibatches == 1,
-        f"algo.minibatches={cfg.algo.minibatches}: multi-process training takes one optimiser step per "
-        "epoch (algo.minibatches=1; algo.epochs may be more)",
     )
 
 

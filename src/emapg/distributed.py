@@ -73,6 +73,16 @@ def sum_one(value: float) -> float:
     return sum_all(value)[0]
 
 
+def max_one(value: int) -> int:
+    """The largest `value` over ranks (e.g. how many forward calls every rank must run)."""
+    if not dist.is_initialized():
+        return value
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def broadcast(obj):
     """Rank 0's `obj` on every rank."""
     if not dist.is_initialized():

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from emapg.errors import EmapgError
 
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
 def ppo_clip(
@@ -28,25 +28,32 @@ def ppo_clip(
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str, total: float) -> Tensor:
-    """Sum of a micro-batch's share of the minibatch loss.
+    """Sum of a micro-batch's share of the minibatch loss (verl's loss_agg_mode names).
 
     token_mean: every response token of the minibatch weighs the same; `total` is the
         minibatch's number of response tokens.
-    seq_mean: every sequence weighs the same (mean over its own tokens); `total` is the
-        minibatch's number of sequences.
+    seq_mean_token_mean: every sequence weighs the same (mean over its own tokens); `total` is
+        the minibatch's number of sequences.
+    seq_mean_token_sum: the mean over sequences of each one's token sum; `total` as above.
+    seq_mean_token_sum_norm: token sums divided by a constant length (Dr. GRPO); `total` is the
+        number of sequences times that length.
     Dividing by the minibatch total, not the micro-batch's, makes gradient accumulation exact.
     """
+    if mode not in AGGREGATIONS:
+        raise EmapgError(f"loss aggregation must be one of {', '.join(AGGREGATIONS)}; got {mode!r}")
     mask = mask.to(values.dtype)
-    if mode == "token_mean":
-        return (values * mask).sum() / total
-    if mode == "seq_mean":
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-        return per_seq.sum() / total
-    raise EmapgError(f"loss aggregation must be one of {', '.join(AGGREGATIONS)}; got {mode!r}")
+    per_token = values * mask
+    if mode == "seq_mean_token_mean":
+        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / total
+    return per_token.sum() / total
 
 
-def aggregation_total(mask: Tensor, mode: str, reduce=float) -> float:
+def aggregation_total(mask: Tensor, mode: str, reduce=float, length: int = 1) -> float:
     """The `total` for `aggregate` over a whole minibatch's response mask; `reduce` sums the
-    count over processes when each holds a slice of the minibatch."""
-    count = mask.sum() if mode == "token_mean" else mask.shape[0]
+    count over processes when each holds a slice of the minibatch; `length` is the constant of
+    seq_mean_token_sum_norm (the response length limit)."""
+    if mode == "token_mean":
+        count = mask.sum()
+    else:
+        count = mask.any(-1).sum() * (length if mode == "seq_mean_token_sum_norm" else 1)  # sequences with tokens
     return max(reduce(float(count)), 1.0)

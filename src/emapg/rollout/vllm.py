@@ -265,8 +265,12 @@ class VllmEngine:
         if not prompt_ids:
             return to_rollout([], [], topk=params.topk, tokenizer=self.tokenizer)
         self.wake()
-        call_seed = None if params.greedy or params.seed is not None else int(torch.randint(0, 1 << 62, ()))
-        call_seed = params.seed if params.seed is not None else call_seed
+        if params.greedy:
+            call_seed = None
+        elif params.seed is not None:
+            call_seed = params.seed
+        else:  # as in the hf engine: torch's global generator governs the stream
+            call_seed = int(torch.randint(0, 1 << 62, ()))
         common = dict(
             temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0,

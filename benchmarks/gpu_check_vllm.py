@@ -1,13 +1,18 @@
-"""GPU check of rollout.engine=vllm: log-prob agreement with the trainer, and step time vs hf.
+"""GPU check of the vLLM engine (rollout/vllm.py): log-prob agreement with the HF policy before
+and after a weight sync, sleep/wake, sampling speed, and training step time vs hf.
 
 Needs a CUDA GPU and `pip install 'emapg[vllm]'`; exits with one line (code 2) otherwise.
 MODEL is a local Hugging Face model directory (e.g. a Qwen2.5-0.5B-Instruct download).
 
-    python benchmarks/gpu_check_vllm.py MODEL [--steps 4] [key=value ...]
+    python benchmarks/gpu_check_vllm.py MODEL [--prompts 16] [--group 4] [--steps 4] [key=value ...]
 
-Prints (1) the max and mean |vLLM sampling log-prob - trainer's recomputed log-prob| over
-the response tokens of one batch, the agreement of vLLM's top-k ids with the trainer's, and
-(2) the mean seconds per training step with each engine and their ratio hf / vllm.
+Prints (1) for one batch, the max and mean |vLLM sampling log-prob - the HF model's
+log softmax(logits / T)| over the response tokens and how often vLLM's top-k set equals the HF
+one, first with the checkpoint's weights, then after one AdamW step on the HF model and a
+`sync_weights` (the engine follows the policy; tied embeddings included); (2) whether a
+sleep/wake cycle keeps the samples (with --sleep); (3) vLLM's sampling throughput; (4) with
+--steps N > 0, the mean seconds per training step with each engine (key=value overrides go to
+the training config) and their ratio hf / vllm.
 """
 
 from __future__ import annotations
@@ -17,42 +22,105 @@ import importlib.util
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from emapg.config import load_config, validate
-from emapg.models import load_model_and_tokenizer
-from emapg.rollout import format_prompts
-from emapg.rollout.vllm import engine_for
-from emapg.trainer import make_task, response_summary, train
-
+PROMPTS = [
+    "What is 17 * 23? Answer with a number.",
+    "Solve for x: 3x + 7 = 22.",
+    "A train travels 120 km in 1.5 hours. What is its average speed in km/h?",
+    "What is the sum of the first 20 positive integers?",
+    "If a rectangle has area 48 and width 6, what is its perimeter?",
+    "What is 2 to the power of 10?",
+    "How many prime numbers are there below 30?",
+    "What is 15% of 240?",
+]
 PHASES = ("rollout", "scoring", "anchor", "update", "ema")
 
 
-def logp_gap(cfg) -> None:
-    model, tok = load_model_and_tokenizer(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-    model.cuda().eval()
-    examples = make_task(cfg).train_examples()[: cfg.rollout.prompts_per_step]
-    prompts = [e.prompt for e in examples for _ in range(cfg.rollout.group_size)]
-    prompts, special = format_prompts(tok, prompts, cfg.model.chat_template)
-    k, T = cfg.kl.k, cfg.rollout.temperature
-    batch = engine_for(cfg)(
-        model, tok, prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=T, topk=k,
-        add_special_tokens=special,
-    )  # fmt: skip
+def hf_logp(model, out, temperature: float) -> torch.Tensor:
+    """The HF model's log softmax(logits / T) at every response position, [N, L, V] (float32)."""
+    parts = []
     with torch.no_grad():
-        s = response_summary(model, batch, batch.responses.unsqueeze(-1), temperature=T, topk_self=k)
-    mask = batch.response_mask
-    gap = (s.logp()[..., 0] - batch.sampling_logp)[mask].abs()
-    same = (s.topk_ids.sort(-1).values == batch.topk_ids.sort(-1).values).all(-1)[mask].float()
-    print(f"log-prob gap over {int(mask.sum())} tokens: max {gap.max():.4f}, mean {gap.mean():.5f}")
-    print(f"top-{k} sets identical to the trainer's on {same.mean():.1%} of tokens")
+        for a in range(0, out.sequences.shape[0], 8):
+            seq = out.sequences[a : a + 8].cuda()
+            mask = out.attention_mask[a : a + 8].cuda()
+            logits = model(input_ids=seq, attention_mask=mask).logits[:, out.prompt_len - 1 : -1]
+            parts.append(torch.log_softmax(logits.float() / temperature, -1).cpu())
+    return torch.cat(parts)
+
+
+def report_gap(label: str, model, out, temperature: float, k: int) -> None:
+    logp = hf_logp(model, out, temperature)
+    mask = out.response_mask
+    token = logp.gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
+    gap = (token - out.sampling_logp)[mask].abs()
+    same = (logp.topk(k, -1).indices.sort(-1).values == out.topk_ids.sort(-1).values).all(-1)[mask]
+    print(
+        f"{label}: log-prob gap over {int(mask.sum())} tokens: max {gap.max():.4f}, mean {gap.mean():.5f}; "
+        f"top-{k} sets identical on {same.float().mean():.1%} of tokens"
+    )
+
+
+def engine_checks(args) -> None:
+    from emapg.models import load_model_and_tokenizer
+    from emapg.rollout.base import SamplingParams, encode_prompts
+    from emapg.rollout.vllm import VllmEngine
+
+    model, tok = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
+    model.cuda().eval()
+    engine = VllmEngine(
+        args.model, tok, dtype="bfloat16", seed=0, max_logprobs=args.k,
+        gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.sleep,
+    )  # fmt: skip
+    prompts = [p for p in (PROMPTS * args.prompts)[: args.prompts] for _ in range(args.group)]
+    ids = encode_prompts(tok, prompts)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, topk=args.k, seed=1
+    )
+    engine.sync_weights(model, 0)
+    out = engine.sample(ids, params)
+    report_gap("checkpoint", model, out, args.temperature, args.k)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # one step: the policy moves
+    model.train()
+    batch = out.sequences[:4].cuda()
+    model(input_ids=batch, attention_mask=out.attention_mask[:4].cuda(), labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    del opt
+    engine.sync_weights(model, 1)
+    after = engine.sample(ids, params)
+    report_gap("after 1 AdamW step + sync", model, after, args.temperature, args.k)
+    print(f"samples changed by the sync: {not torch.equal(after.sequences, out.sequences)}")
+
+    if args.sleep:
+        engine.sleep()
+        free = torch.cuda.mem_get_info()[0] / 2**30
+        again = engine.sample(ids, params)  # wakes the engine
+        print(f"sleep: {free:.1f} GiB free while asleep; samples kept after wake: "
+              f"{torch.equal(again.sequences, after.sequences)}")  # fmt: skip
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    timed = engine.sample(ids, params)
+    seconds = time.perf_counter() - start
+    tokens = int(timed.response_mask.sum())
+    print(
+        f"vLLM sampled {tokens} tokens for {len(ids)} rows in {seconds:.2f} s ({tokens / seconds:.0f} tokens/s)"
+    )
+    engine.close()
     del model
     torch.cuda.empty_cache()
 
 
 def step_seconds(path: str, steps: int, overrides: list[str], engine: str) -> float:
+    from emapg.config import load_config
+    from emapg.trainer import train
+
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(
             None,
@@ -71,7 +139,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("model")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=16, help="distinct prompts in the batch")
+    parser.add_argument("--group", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--k", type=int, default=8, help="top-k ids recorded per token")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--sleep", action="store_true", help="build the engine with sleep mode and check it")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per engine (0: skip)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     missing = (
@@ -82,14 +157,11 @@ def main() -> None:
     if missing:
         print(f"gpu_check_vllm: {missing}; nothing checked", file=sys.stderr)
         sys.exit(2)
-    cfg = load_config(
-        None, [f"model.path={args.model}", "model.dtype=bfloat16", "rollout.engine=vllm", *args.overrides]
-    )
-    validate(cfg)
-    logp_gap(cfg)
-    vllm_s = step_seconds(args.model, args.steps, args.overrides, "vllm")
-    hf_s = step_seconds(args.model, args.steps, args.overrides, "hf")
-    print(f"seconds per step: hf {hf_s:.3f}, vllm {vllm_s:.3f}, ratio hf/vllm {hf_s / vllm_s:.2f}x")
+    engine_checks(args)
+    if args.steps > 0:
+        vllm_s = step_seconds(args.model, args.steps, args.overrides, "vllm")
+        hf_s = step_seconds(args.model, args.steps, args.overrides, "hf")
+        print(f"seconds per step: hf {hf_s:.3f}, vllm {vllm_s:.3f}, ratio hf/vllm {hf_s / vllm_s:.2f}x")
 
 
 if __name__ == "__main__":

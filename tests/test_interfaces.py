@@ -51,6 +51,9 @@ class ScriptedEngine:
     def sync_weights(self, model, version):
         pass
 
+    def sleep(self):
+        pass
+
     def close(self):
         pass
 

@@ -92,7 +92,17 @@ class RolloutConfig:
     stop: list = _f([], "stop strings that end a response (besides EOS)")
     batch_size: int = _f(256, "sequences per generate call")
     engine: str = _f("hf", "hf (transformers generate) or vllm (colocated vLLM, see docs/vllm.md)", ENGINES)
-    vllm_gpu_memory_utilization: float = _f(0.3, "share of GPU memory vLLM may take (engine=vllm)")
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "share of GPU memory vLLM may take (engine=vllm); on CPU the share of RAM for its KV cache"
+    )
+    vllm_sleep: bool = _f(
+        False,
+        "free vLLM's GPU memory during the anchor pass and update (KV cache dropped, weights offloaded)",
+    )
+    vllm_enforce_eager: bool = _f(
+        False, "run vLLM without CUDA graphs or compilation (faster start, slower decoding)"
+    )
+    vllm_max_model_len: int = _f(0, "context vLLM reserves KV cache for (0: the model's maximum)")
 
 
 @dataclass
@@ -302,18 +312,10 @@ def _check_engine(cfg: Config) -> None:
     if r.engine != "vllm":
         return
     _check(0 < r.vllm_gpu_memory_utilization < 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1)")
+    _check(r.vllm_max_model_len >= 0, "rollout.vllm_max_model_len must be >= 0 (0: the model's maximum)")
     _check(
         r.top_p == 1,
         "rollout.engine=vllm needs rollout.top_p=1 (its log-probs would be of the truncated policy)",
-    )
-    _check(
-        cfg.task.name != "search",
-        "rollout.engine=vllm does not run the search task's multi-turn rollout; use hf",
-    )
-    _check(cfg.train.device != "cpu", "rollout.engine=vllm needs a CUDA GPU; train.device=cpu")
-    _check(
-        not cfg.model.path.startswith("builtin:"),
-        "rollout.engine=vllm needs model.path=DIR of a HF model (vLLM cannot load builtin:tiny)",
     )
 
 

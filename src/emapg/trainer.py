@@ -386,7 +386,12 @@ def make_engine(cfg: Config, model, tokenizer, model_dir: str) -> RolloutEngine:
     if cfg.rollout.engine == "vllm":
         from emapg.rollout.vllm import VllmEngine  # late: only this engine imports vllm
 
-        return VllmEngine(cfg)
+        r = cfg.rollout
+        return VllmEngine(
+            model_dir, tokenizer, dtype=cfg.model.dtype, seed=cfg.train.seed, max_logprobs=max(cfg.kl.k, 1),
+            gpu_memory_utilization=r.vllm_gpu_memory_utilization, enforce_eager=r.vllm_enforce_eager,
+            max_model_len=r.vllm_max_model_len or None, sleep=r.vllm_sleep, eos_ids=eos_ids(model, tokenizer),
+        )  # fmt: skip
     from emapg.rollout.hf import HFEngine
 
     return HFEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
@@ -561,6 +566,7 @@ def train_loop(run: Run) -> dict:
                 run.engine, run.tokenizer, run.task, examples, params, chat_template=cfg.model.chat_template,
                 eos=run.eos, rows=range(rows.start, rows.stop),
             ).to(next(model.parameters()).device)  # fmt: skip
+            run.engine.sleep()  # a colocated engine frees its memory for the passes below
 
         with timer("scoring"):
             scored = run.scorer(batch.texts, examples)

@@ -6,6 +6,7 @@ the sampling distribution). The trainer builds one engine per run and owns it:
 
     engine.sync_weights(model, version)   # before sampling: the engine follows the policy
     rollout = engine.sample(prompt_ids, SamplingParams(...), rows=...)
+    engine.sleep()                        # while the trainer needs the memory
     engine.close()                        # at the end of the run
 
 `rollout/hf.py` (transformers generate) and `rollout/vllm.py` (colocated vLLM) implement it;
@@ -117,6 +118,11 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: nn.Module, version: int) -> None:
         """Make the engine sample from `model`'s current weights; `version` counts weight
         updates, so an engine that copies weights skips the copy when nothing changed."""
+        ...
+
+    def sleep(self) -> None:
+        """Free what the engine holds on the device until its next `sample` or `sync_weights`
+        (a colocated engine sleeps through the anchor pass and the update)."""
         ...
 
     def close(self) -> None:

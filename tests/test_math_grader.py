@@ -122,6 +122,54 @@ def test_ordinary_answers_grade_as_plain_math_verify(answer, reference, expected
     assert score(f"so \\boxed{{{answer}}}.", reference) == expected == _plain_math_verify(answer, reference)
 
 
+ROOTS = "The roots are $\\boxed{2}$ and $\\boxed{3}$."
+# A reference with several boxed answers is all of them, as one list (math-verify: a set).
+SEVERAL_BOXED = [
+    ("\\boxed{3}", ROOTS, 0.0),  # only the last one
+    ("\\boxed{2}", ROOTS, 0.0),
+    ("\\boxed{2} and \\boxed{3}", ROOTS, 0.0),  # the response's last boxed answer counts
+    ("\\boxed{2, 3, 4}", ROOTS, 0.0),
+    ("\\boxed{2, 3}", ROOTS, 1.0),
+    ("\\boxed{3, 2}", ROOTS, 1.0),
+    ("\\boxed{\\{2, 3\\}}", ROOTS, 1.0),
+    ("\\boxed{(2, 3)}", ROOTS, 1.0),
+    ("\\boxed{x=2, x=3}", ROOTS, 1.0),
+    ("\\boxed{2 \\text{ and } 3}", ROOTS, 1.0),
+    ("\\boxed{0.5, -1}", "\\boxed{\\frac{1}{2}} and \\boxed{-1}", 1.0),
+    ("\\boxed{(1, 2)}", "$x=\\boxed{1}$, $y=\\boxed{2}$", 1.0),
+    ("\\boxed{[1,2), (3,4]}", "\\boxed{[1,2)} or \\boxed{(3,4]}", 1.0),
+    ("\\boxed{5}", "So \\boxed{5}, that is \\boxed{ 5 }.", 1.0),  # the same answer twice is one
+    ("\\boxed{5}", "\\boxed{\\boxed{5}}", 1.0),  # a box inside a box is one answer
+    ("\\boxed{5}", "\\boxed{5 and \\boxed{5}", 1.0),  # a box that never closes is skipped
+    ("\\boxed{1}", "".join(f"\\boxed{{{i}}}" for i in range(1, 30)), 0.0),  # too many boxes
+]
+# Only the text after the last </think> is graded; without one, the whole response.
+THINK = [
+    ("<think>so 5</think>The answer is \\boxed{5}.", "5", 1.0),
+    ("<think>\\boxed{5}</think> so \\boxed{4}", "5", 0.0),
+    ("<think>\\boxed{5}</think> so \\boxed{4}", "4", 1.0),
+    ("<think>\\boxed{5}</think> and no answer", "5", 0.0),  # a box in the reasoning does not count
+    ("\\boxed{5}</think>", "5", 0.0),
+    ("\\boxed{5}</think>\n\n", "5", 0.0),
+    ("<think>a</think>b</think>\\boxed{5}", "5", 1.0),  # the last </think>
+    ("<think>a</think>\\boxed{5}</think>done", "5", 0.0),
+    ("<think>\\boxed{5} never closed", "5", 1.0),  # no </think>: the whole response
+    ("no think at all: \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("<think>long reasoning</think>\n**Answer**: $\\boxed{2, 3}$", ROOTS, 1.0),
+]
+
+
+@pytest.mark.parametrize("response,reference,expected", SEVERAL_BOXED + THINK)
+def test_several_boxed_references_and_think_blocks(response, reference, expected):
+    assert score(response, reference) == expected
+
+
+def test_format_reward_looks_after_think_too():
+    assert has_boxed_answer("<think>\\boxed{1}</think> it is \\boxed{7}")
+    assert not has_boxed_answer("<think>\\boxed{1}</think> it is 7")
+    assert has_boxed_answer("<think>still thinking \\boxed{1}")
+
+
 def _garbage(n: int) -> str:
     return "".join(random.Random(0).choice(string.printable) for _ in range(n))
 

@@ -6,13 +6,19 @@ Being SymPy, it can be made to compute without end: `2^{10^{100}}` asks for a nu
 10^100 digits, a C-level big-integer computation that no signal can interrupt. So `score`
 never hands math-verify anything it cannot finish quickly:
 
+0. what is graded: of a response, its last boxed answer after its last `</think>` (the whole
+   response without one); of a reference, its boxed answer, or all its distinct boxed answers
+   as one list when it has several (see reference_boxed).
 1. size: only the text from the last `\\boxed` on, at most MAX_ANSWER_CHARS, is parsed
    (the last boxed answer counts); a reference is at most as long. Brace nesting deeper than
    MAX_BRACE_DEPTH is refused (the LaTeX parser's time grows steeply with depth).
 2. magnitude: parsing does not evaluate (`2^{10^{100}}` stays a Pow tree), so before the
    comparison, which does evaluate, both trees are checked: a number, power or factorial
    whose value would have more than MAX_DIGITS digits is refused, and so is a sum or product
-   of more than MAX_TERMS terms.
+   of more than MAX_TERMS terms. Only what is provably big: a decimal counts the digits of its
+   magnitude (`2^{0.5}` passes), a symbolic exponent (`x^{n+1}`) only the numbers in it, and a
+   sum or product over a symbolic range (`\\sum_{k=1}^{n} k`), which SymPy never expands, passes
+   when its term is at most MAX_SYMBOLIC_TERM_DIGITS digits.
 3. time: math-verify's own per-parse and per-comparison limits (signal based, so only in the
    main thread; elsewhere steps 1-2 are the guard). Training also runs `score` in a worker
    process with a hard time limit (emapg.rewards), since MathTask does not claim to be safe.
@@ -31,8 +37,10 @@ import sympy
 from math_verify import LatexExtractionConfig, parse, verify
 
 BOXED = "\\boxed"
+THINK_END = "</think>"  # R1-style reasoning ends here; only what follows is graded
 MAX_ANSWER_CHARS = 1000  # from "\boxed" on; real answers are far shorter
 MAX_BRACE_DEPTH = 20
+MAX_REFERENCE_BOXES = 20  # a solution boxes one answer, or a few
 MAX_DIGITS = 10_000  # of any number the comparison may compute
 MAX_TERMS = 1000  # of a sum or product the comparison may expand
 MAX_SYMBOLIC_TERM_DIGITS = 50  # of the term of a sum or product over k = 1..n (its closed form)
@@ -44,16 +52,17 @@ logging.getLogger("math_verify").setLevel(logging.CRITICAL)
 
 
 def score(response: str, reference: str) -> float:
-    """1.0 when the last `\\boxed{}` answer of `response` equals `reference`, else 0.0.
+    """1.0 when the last `\\boxed{}` answer of `response` (after its last `</think>`) equals
+    `reference`, else 0.0.
 
-    `reference` is the answer itself ("\\frac{1}{2}", "18", "[1, 2)"), or a text whose last
-    boxed answer is the reference (a MATH solution). Never raises; see the module doc for why
+    `reference` is the answer itself ("\\frac{1}{2}", "18", "[1, 2)"), or a text whose boxed
+    answer is the reference (a MATH solution; several boxed answers are one list). Never raises; see the module doc for why
     it always returns quickly.
     """
     if not isinstance(response, str) or not isinstance(reference, str):
         return 0.0
-    answer = last_boxed(response)
-    gold_text = last_boxed(reference) if BOXED in reference else f"{BOXED}{{{reference.strip()}}}"
+    answer = last_boxed(final_part(response))
+    gold_text = reference_boxed(reference)
     if answer is None or gold_text is None:
         return 0.0
     written = _content(answer)
@@ -71,28 +80,67 @@ def score(response: str, reference: str) -> float:
         return 0.0
 
 
+def final_part(response: str) -> str:
+    """What is graded of a response: the text after its last `</think>`, or all of it without
+    one (as rLLM grades R1-style reasoning; a boxed answer inside the reasoning does not count)."""
+    return response.rpartition(THINK_END)[2]
+
+
 def last_boxed(text: str) -> str | None:
     """The text from the last `\\boxed` on, at most MAX_ANSWER_CHARS; None without one."""
     start = text.rfind(BOXED)
     return None if start < 0 else text[start : start + MAX_ANSWER_CHARS]
 
 
+def reference_boxed(reference: str) -> str | None:
+    """The reference as one boxed answer: a plain answer boxed; the boxed answer of a solution;
+    the distinct boxed answers of a solution that has several, as one list (`\\boxed{2}` and
+    `\\boxed{3}` give `\\boxed{2, 3}`, which math-verify compares as a set), so that a
+    response naming only one of them is wrong. None (every response is wrong) when the list is
+    longer than a boxed answer may be, or the reference has over MAX_REFERENCE_BOXES boxes."""
+    if BOXED not in reference:
+        return f"{BOXED}{{{reference.strip()}}}"
+    if reference.count(BOXED) > MAX_REFERENCE_BOXES:
+        return None
+    answers: dict[str, str] = {}  # whitespace-free form -> the first written form
+    start = reference.find(BOXED)
+    while start >= 0:
+        end = _box_end(reference[start : start + MAX_ANSWER_CHARS])
+        if end is None:  # never closes: the next \boxed may be inside it
+            start = reference.find(BOXED, start + len(BOXED))
+            continue
+        inside = reference[start + len(BOXED) + 1 : start + end].strip()
+        answers.setdefault("".join(inside.split()), inside)
+        start = reference.find(BOXED, start + end)  # a \boxed nested in this one is part of it
+    if not answers:  # no box closes: the last one, which will not parse
+        return last_boxed(reference)
+    joined = ", ".join(answers.values())
+    return f"{BOXED}{{{joined}}}" if len(joined) <= MAX_ANSWER_CHARS - len(BOXED) - 2 else None
+
+
 def has_boxed_answer(response: str) -> bool:
-    """Whether the response ends its work with a `\\boxed{...}` that closes (format reward)."""
-    answer = last_boxed(response) if isinstance(response, str) else None
+    """Whether the response ends its work with a `\\boxed{...}` that closes (format reward),
+    after its last `</think>` when it has one."""
+    answer = last_boxed(final_part(response)) if isinstance(response, str) else None
     return answer is not None and _content(answer) is not None
 
 
-def _content(boxed: str) -> str | None:
-    """What `\\boxed{...}` holds, whitespace removed; None when its braces never close."""
+def _box_end(boxed: str) -> int | None:
+    """Index of the brace that closes `\\boxed{...}`; None when it never closes."""
     if not boxed.startswith(BOXED + "{"):
         return None
     depth = 0
     for i, c in enumerate(boxed):
         depth += (c == "{") - (c == "}")
         if depth == 0 and c == "}":
-            return "".join(boxed[len(BOXED) + 1 : i].split())
+            return i
     return None
+
+
+def _content(boxed: str) -> str | None:
+    """What `\\boxed{...}` holds, whitespace removed; None when its braces never close."""
+    end = _box_end(boxed)
+    return None if end is None else "".join(boxed[len(BOXED) + 1 : end].split())
 
 
 def _small_text(text: str) -> bool:

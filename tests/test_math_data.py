@@ -6,9 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from emapg.config import MATH_SCHEMAS
 from emapg.errors import EmapgError
 from emapg.tasks.math import score
-from emapg.tasks.math_data import EXPECTED, Problem, load_problems
+from emapg.tasks.math_data import EXPECTED, SCHEMA_NAMES, Problem, load_problems
 
 GSM8K = [
     {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
@@ -25,6 +26,11 @@ DEEPSCALER = [
     {"problem": "AIME: find m.", "answer": 17},
 ]
 OLYMPIAD = [{"question": "Find all x.", "final_answer": ["$x=1$", "$x=2$"], "id": 7}]
+# Qwen2.5-Math's evaluation files (aime24, amc23, ...): question + a final answer, no "####"
+QWEN_MATH = [
+    {"id": 0, "question": "AIME: how many?", "answer": "27", "url": "https://x"},
+    {"id": 1, "question": "Find the ratio.", "answer": "\\frac{1}{2}", "url": "https://x"},
+]
 
 
 def write(path, records):
@@ -52,8 +58,9 @@ def write(path, records):
         (MATH500, [("Compute $2+2$.", "4")]),  # answer wins over solution
         (DEEPSCALER, [("AIME: find n.", "204"), ("AIME: find m.", "17")]),  # integer answers
         (OLYMPIAD, [("Find all x.", "x=1, x=2")]),
+        (QWEN_MATH, [("AIME: how many?", "27"), ("Find the ratio.", "\\frac{1}{2}")]),
     ],
-    ids=["gsm8k", "math", "math500", "deepscaler", "olympiadbench"],
+    ids=["gsm8k", "math", "math500", "deepscaler", "olympiadbench", "qwen_math"],
 )
 def test_each_schema_in_each_format(tmp_path, suffix, records, expected):
     path = write(tmp_path / f"data{suffix}", records)
@@ -155,3 +162,65 @@ def test_file_level_errors(tmp_path):
     (tmp_path / "f.parquet").write_text("not parquet")
     with pytest.raises(EmapgError, match=r"f.parquet: not a readable parquet file \(.+\)$"):
         load_problems(tmp_path / "f.parquet")
+
+
+def test_qwen_math_references_grade(tmp_path):
+    amc23 = [
+        {"id": 0, "question": "AMC: how many?", "answer": 27.0},
+        *QWEN_MATH[1:],
+    ]  # amc23's answers are floats
+    problems = load_problems(write(tmp_path / "amc23.jsonl", amc23))
+    assert problems[0].reference == "27.0"
+    assert score("\\boxed{27}", problems[0].reference) == 1.0
+    assert score("<think>hm</think>\\boxed{0.5}", problems[1].reference) == 1.0
+
+
+def test_question_answer_is_told_by_the_first_answer(tmp_path):
+    # "####" in the first answer: GSM8K, and a later final-answer-only record is an error
+    with pytest.raises(EmapgError, match=r"record 2: answer has no '#### <number>' final line"):
+        load_problems(write(tmp_path / "a.jsonl", [GSM8K[0], QWEN_MATH[1]]))
+    # a final answer first: Qwen2.5-Math, and every answer is taken whole
+    mixed = load_problems(write(tmp_path / "b.jsonl", [QWEN_MATH[1], GSM8K[0]]))
+    assert [p.reference for p in mixed] == ["\\frac{1}{2}", "3 + 4 = 7\n#### 7"]
+
+
+@pytest.mark.parametrize(
+    "records,schema,expected",
+    [
+        (GSM8K, "gsm8k", ["7", "1,200"]),
+        (GSM8K, "qwen_math", ["3 + 4 = 7\n#### 7", "It is 1,200.\n#### 1,200"]),  # taken whole
+        (QWEN_MATH, "qwen_math", ["27", "\\frac{1}{2}"]),
+        (MATH500, "math500", ["4"]),
+        (MATH500, "math", ["So $\\boxed{4}$."]),  # the solution instead of the answer
+        (MATH, "math", ["We get $\\boxed{\\frac{3}{4}}$."]),
+        (DEEPSCALER, "math500", ["204", "17"]),
+        (OLYMPIAD, "olympiadbench", ["x=1, x=2"]),
+    ],
+)
+def test_an_explicit_schema_is_used(tmp_path, records, schema, expected):
+    problems = load_problems(write(tmp_path / "d.parquet", records), schema)
+    assert [p.reference for p in problems] == expected
+
+
+@pytest.mark.parametrize(
+    "records,schema,message",
+    [
+        (QWEN_MATH, "gsm8k", "record 1: answer has no '#### <number>' final line (fields found: id, question, answer, url)"),
+        (GSM8K, "math500", "record 1: missing field 'problem' of the MATH-500/DeepScaleR/AIME/AMC schema (fields found: question, answer)"),
+        (DEEPSCALER, "qwen_math", "record 1: missing field 'question' of the Qwen2.5-Math evaluation schema (fields found: problem, answer)"),
+        (MATH500, "olympiadbench", "record 1: missing field 'question' of the OlympiadBench schema (fields found: problem, solution, answer, unique_id)"),
+        (DEEPSCALER, "math", "record 1: missing field 'solution' of the MATH schema (fields found: problem, answer)"),
+        (OLYMPIAD, "gsm8k", "record 1: missing field 'answer' of the GSM8K, answer ending in '#### n' schema (fields found: question, final_answer, id)"),
+    ],
+)  # fmt: skip
+def test_a_wrong_explicit_schema_names_file_record_and_fields(tmp_path, records, schema, message):
+    path = write(tmp_path / "d.jsonl", records)
+    with pytest.raises(EmapgError) as e:
+        load_problems(path, schema)
+    assert str(e.value) == f"math data {path}: {message}"
+
+
+def test_schema_names_and_the_config_choices():
+    assert MATH_SCHEMAS == SCHEMA_NAMES == ("auto", "olympiadbench", "gsm8k", "qwen_math", "math500", "math")
+    with pytest.raises(EmapgError, match=r"^math data: unknown schema 'aime'; expected one of auto, "):
+        load_problems("any.jsonl", "aime")

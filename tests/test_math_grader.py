@@ -6,9 +6,11 @@ import threading
 import time
 
 import pytest
+from math_verify import parse, verify
 
+from emapg.tasks import math_grader
 from emapg.tasks.math import score
-from emapg.tasks.math_grader import MAX_ANSWER_CHARS, has_boxed_answer
+from emapg.tasks.math_grader import MAX_ANSWER_CHARS, _parse, _small_value, has_boxed_answer
 
 # (response, reference, expected score), each written and judged by hand.
 CASES = [
@@ -73,6 +75,104 @@ def test_equivalence_cases(response, reference, expected):
     assert score(response, reference) == expected
 
 
+# Ordinary answers the size guard once refused; each is graded as plain math-verify grades it.
+# (boxed answer, reference, expected score)
+EXPONENTS = [  # decimal or symbolic exponents
+    ("4^{0.5}", "2", 1.0),
+    ("x^{2.5}", "x^{5/2}", 1.0),
+    ("9^{1.5}", "27", 1.0),
+    ("10^{1.5}", "31.6227766", 1.0),
+    ("10^{-2.5}", "0.00316227766", 1.0),
+    ("2^{-0.5}", "\\frac{\\sqrt{2}}{2}", 1.0),
+    ("x^{0.5}", "\\sqrt{x}", 1.0),
+    ("0.5^{n}", "2^{-n}", 1.0),
+    ("x^{n+1}", "x \\cdot x^{n}", 1.0),
+    ("2^{n+1}", "2 \\cdot 2^{n}", 1.0),
+    ("2^{2n}", "4^{n}", 1.0),
+    ("x^{a+b}", "x^a x^b", 1.0),
+    ("e^{i \\pi}", "e^{\\pi i}", 1.0),
+    ("a^{b}", "a^b", 1.0),
+    ("x^{n+1}", "x^{n}", 0.0),
+    ("10^{0.3010}", "2", 0.0),  # 1.99986...
+    ("e^{0.5x}", "e^{x/2}", 0.0),  # math-verify does not equate the decimal with the fraction
+]
+SYMBOLIC_SUMS = [  # sums and products whose bounds are symbols
+    ("\\sum_{k=1}^{n} k", "\\frac{n(n+1)}{2}", 1.0),
+    ("\\sum_{k=1}^{n} k^2", "\\frac{n(n+1)(2n+1)}{6}", 1.0),
+    ("\\sum_{k=1}^{n} k^3", "\\left(\\frac{n(n+1)}{2}\\right)^2", 1.0),
+    ("\\sum_{k=0}^{n} 2^k", "2^{n+1}-1", 1.0),
+    ("\\sum_{k=1}^{n} (2k-1)", "n^2", 1.0),
+    ("\\sum_{k=1}^{2n} k", "n(2n+1)", 1.0),
+    ("\\sum_{k=n}^{n+5} k", "6n+15", 1.0),  # symbolic bounds, six terms
+    ("\\sum_{k=m}^{n} 1", "n-m+1", 1.0),
+    ("\\sum_{k=1}^{n} x", "n x", 1.0),
+    ("\\prod_{k=1}^{n} 2", "2^n", 1.0),
+    ("\\sum_{k=1}^{n} k", "\\frac{n^2}{2}", 0.0),
+    ("\\prod_{i=1}^{m} i", "m!", 0.0),  # SymPy leaves the product unevaluated
+    ("\\prod_{k=1}^{n} \\frac{k+1}{k}", "n+1", 0.0),
+]
+
+
+def _plain_math_verify(answer: str, reference: str) -> float:
+    return float(verify(parse(f"\\boxed{{{reference}}}"), parse(f"\\boxed{{{answer}}}")))
+
+
+@pytest.mark.parametrize("answer,reference,expected", EXPONENTS + SYMBOLIC_SUMS)
+def test_ordinary_answers_grade_as_plain_math_verify(answer, reference, expected, monkeypatch):
+    # math-verify's default time limits on both sides: on a busy machine 1 s may cut one short
+    monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 5)
+    assert all(_small_value(e) for e in _parse(f"\\boxed{{{answer}}}") + _parse(f"\\boxed{{{reference}}}"))
+    assert score(f"so \\boxed{{{answer}}}.", reference) == expected == _plain_math_verify(answer, reference)
+
+
+ROOTS = "The roots are $\\boxed{2}$ and $\\boxed{3}$."
+# A reference with several boxed answers is all of them, as one list (math-verify: a set).
+SEVERAL_BOXED = [
+    ("\\boxed{3}", ROOTS, 0.0),  # only the last one
+    ("\\boxed{2}", ROOTS, 0.0),
+    ("\\boxed{2} and \\boxed{3}", ROOTS, 0.0),  # the response's last boxed answer counts
+    ("\\boxed{2, 3, 4}", ROOTS, 0.0),
+    ("\\boxed{2, 3}", ROOTS, 1.0),
+    ("\\boxed{3, 2}", ROOTS, 1.0),
+    ("\\boxed{\\{2, 3\\}}", ROOTS, 1.0),
+    ("\\boxed{(2, 3)}", ROOTS, 1.0),
+    ("\\boxed{x=2, x=3}", ROOTS, 1.0),
+    ("\\boxed{2 \\text{ and } 3}", ROOTS, 1.0),
+    ("\\boxed{0.5, -1}", "\\boxed{\\frac{1}{2}} and \\boxed{-1}", 1.0),
+    ("\\boxed{(1, 2)}", "$x=\\boxed{1}$, $y=\\boxed{2}$", 1.0),
+    ("\\boxed{[1,2), (3,4]}", "\\boxed{[1,2)} or \\boxed{(3,4]}", 1.0),
+    ("\\boxed{5}", "So \\boxed{5}, that is \\boxed{ 5 }.", 1.0),  # the same answer twice is one
+    ("\\boxed{5}", "\\boxed{\\boxed{5}}", 1.0),  # a box inside a box is one answer
+    ("\\boxed{5}", "\\boxed{5 and \\boxed{5}", 1.0),  # a box that never closes is skipped
+    ("\\boxed{1}", "".join(f"\\boxed{{{i}}}" for i in range(1, 30)), 0.0),  # too many boxes
+]
+# Only the text after the last </think> is graded; without one, the whole response.
+THINK = [
+    ("<think>so 5</think>The answer is \\boxed{5}.", "5", 1.0),
+    ("<think>\\boxed{5}</think> so \\boxed{4}", "5", 0.0),
+    ("<think>\\boxed{5}</think> so \\boxed{4}", "4", 1.0),
+    ("<think>\\boxed{5}</think> and no answer", "5", 0.0),  # a box in the reasoning does not count
+    ("\\boxed{5}</think>", "5", 0.0),
+    ("\\boxed{5}</think>\n\n", "5", 0.0),
+    ("<think>a</think>b</think>\\boxed{5}", "5", 1.0),  # the last </think>
+    ("<think>a</think>\\boxed{5}</think>done", "5", 0.0),
+    ("<think>\\boxed{5} never closed", "5", 1.0),  # no </think>: the whole response
+    ("no think at all: \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("<think>long reasoning</think>\n**Answer**: $\\boxed{2, 3}$", ROOTS, 1.0),
+]
+
+
+@pytest.mark.parametrize("response,reference,expected", SEVERAL_BOXED + THINK)
+def test_several_boxed_references_and_think_blocks(response, reference, expected):
+    assert score(response, reference) == expected
+
+
+def test_format_reward_looks_after_think_too():
+    assert has_boxed_answer("<think>\\boxed{1}</think> it is \\boxed{7}")
+    assert not has_boxed_answer("<think>\\boxed{1}</think> it is 7")
+    assert has_boxed_answer("<think>still thinking \\boxed{1}")
+
+
 def _garbage(n: int) -> str:
     return "".join(random.Random(0).choice(string.printable) for _ in range(n))
 
@@ -98,6 +198,22 @@ ADVERSARIAL = [
     (_garbage(100_000) + "\\boxed{5}", "5", 1.0),
     ("\\boxed{5" + "x" * 100_000, "5", 0.0),
     ("x" * 100_000, "5", 0.0),
+    # decimal and symbolic exponents, symbolic sums: still refused when provably huge
+    ("\\boxed{10^{10^{5.5}}}", "1", 0.0),  # a 316228-digit number
+    ("\\boxed{10^{99999.5}}", "1", 0.0),
+    ("\\boxed{1.5^{10^{7}}}", "1", 0.0),
+    ("\\boxed{e^{10^{6.5}}}", "1", 0.0),
+    ("\\boxed{(10^{5.5})!}", "1", 0.0),
+    ("\\boxed{\\binom{10^{5.5}}{3}}", "1", 0.0),
+    ("\\boxed{2^{10^{100} x}}", "1", 0.0),  # a symbol does not hide the number
+    ("\\boxed{x^{10^{100}}}", "x", 0.0),
+    ("\\boxed{\\sum_{k=1}^{n} k^{1000}}", "1", 0.0),  # a closed form of degree 1001
+    ("\\boxed{\\prod_{k=1}^{n} k^{10^{9}}}", "1", 0.0),
+    ("\\boxed{\\sum_{k=n}^{n+10^{4}} k!}", "1", 0.0),  # symbolic bounds, 10001 terms
+    ("\\boxed{\\prod_{k=n}^{n+10^{6}} k}", "1", 0.0),
+    ("\\boxed{\\sum_{k=1}^{n+10^{9}} k}", "1", 0.0),
+    ("\\boxed{\\sum_{k=1}^{10^{9}} k}", "1", 0.0),
+    ("\\boxed{2^{2^{2^{2^{2^{2}}}}}}", "1", 0.0),
 ]
 
 

@@ -91,9 +91,20 @@ def test_config_data_files_and_validation(tmp_path):
     cfg = load_config(None, ["task.name=math", f"task.train_files=[{data}]", f"task.eval_files=[{data}]"])
     task = trainer.make_task(cfg)
     assert [e.answer for e in task.train_examples() + task.eval_examples()] == ["5", "5"]
+    forced = load_config(
+        None,
+        [
+            "task.name=math",
+            f"task.train_files=[{data}]",
+            f"task.eval_files=[{data}]",
+            "task.schema=qwen_math",
+        ],
+    )
+    assert trainer.make_task(forced).eval_examples()[0].answer == "so\n#### 5"
     bad = {
         "task.train_files=[nope.jsonl]": "task.train_files: 'nope.jsonl' does not exist",
         "task.format_reward=1": "task.format_reward must be in [0, 1)",
+        "task.schema=aime": "task.schema: unknown 'aime'; expected one of auto, olympiadbench, gsm8k, qwen_math, math500, math",
         "task.prompt=x": "task.prompt must contain {question}",
         "task.name=maths": "task.name: unknown 'maths' (did you mean 'math'?); registered: arithmetic, math, search",
     }

@@ -28,6 +28,8 @@ from emapg.rollout import ENGINES
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# emapg.tasks.math_data.SCHEMA_NAMES, written out so that reading a config imports no SymPy
+MATH_SCHEMAS = ("auto", "olympiadbench", "gsm8k", "qwen_math", "math500", "math")
 
 
 def _f(default, help: str, choices: tuple[str, ...] = ()):
@@ -72,6 +74,12 @@ class TaskConfig:
         [], "math: training data (.jsonl/.json/.parquet, schema told by its fields); empty: shipped samples"
     )
     eval_files: list = _f([], "math: held-out data for eval/accuracy (same formats); empty: shipped samples")
+    schema: str = _f(
+        "auto",
+        "math: schema of the data files; auto tells it by the fields, and question+answer by the answer "
+        "(a '#### n' line: gsm8k, else qwen_math)",
+        MATH_SCHEMAS,
+    )
     format_reward: float = _f(0.0, "math: reward of a wrong answer given in a closed \\boxed{} (0: none)")
     prompt: str = _f(
         "", "math: prompt template with {question}; empty: Qwen2.5-Math's step-by-step \\boxed{} one"

@@ -75,12 +75,13 @@ class MathTask(Task):
 
 
 def from_config(cfg) -> MathTask:
-    """The task of a Config: its data files (default: the shipped sample set), at most
-    task.num_train / task.num_eval problems of each split."""
+    """The task of a Config: its data files read with task.schema (default: the shipped sample
+    set), at most task.num_train / task.num_eval problems of each split."""
     t = cfg.task
 
     def problems(files: list[str], default: Path, limit: int) -> list[Problem]:
-        return [p for f in files or [default] for p in load_problems(f)][:limit]
+        loaded = [p for f in files for p in load_problems(f, t.schema)] if files else load_problems(default)
+        return loaded[:limit]
 
     return MathTask(
         problems(t.train_files, SAMPLE_TRAIN, t.num_train),

@@ -1,14 +1,17 @@
 """Math problem files: `.jsonl`, `.json` (a list of records) and `.parquet`, schema told by the fields.
 
-| schema | fields | reference |
+| schema (task.schema) | fields | reference |
 |---|---|---|
-| GSM8K | question, answer | the number after "####" in answer |
-| MATH-500, DeepScaleR, AIME, AMC | problem, answer | answer |
-| MATH | problem, solution | the last \\boxed{} of solution |
-| OlympiadBench | question, final_answer | the list's entries, "$" removed, joined by ", " |
+| gsm8k: GSM8K | question, answer ending in "#### n" | the number after "####" |
+| qwen_math: Qwen2.5-Math evaluation files (aime24, amc23, ...) | question, answer | answer |
+| math500: MATH-500, DeepScaleR, AIME, AMC | problem, answer | answer |
+| math: MATH | problem, solution | the boxed answer(s) of solution |
+| olympiadbench: OlympiadBench | question, final_answer | the list's entries, "$" removed, joined by ", " |
 
-The first record decides the schema; every record must then have its fields. A broken file
-stops with one line naming the file, the record (1-based) and the fields found.
+With schema "auto" (the default) the first record decides: its fields, and for question +
+answer the answer's form (a "####" line is GSM8K, anything else a final answer). Every record
+must then have the schema's fields. A broken file, or one without the fields of an explicit
+schema, stops with one line naming the file, the record (1-based) and the fields found.
 """
 
 from __future__ import annotations
@@ -50,14 +53,17 @@ def _olympiad(record: dict) -> str:
     return ", ".join(a.strip().strip("$").strip() for a in answers)
 
 
-# (question field, answer field, schema name, reference of a record); checked in this order.
-SCHEMAS = [
-    ("question", "final_answer", "OlympiadBench", _olympiad),
-    ("question", "answer", "GSM8K", _gsm8k),
-    ("problem", "answer", "MATH-500/DeepScaleR/AIME/AMC", lambda r: _text(r, "answer")),
-    ("problem", "solution", "MATH", _math_solution),
-]
-EXPECTED = "; ".join(f"{q}+{a} ({name})" for q, a, name, _ in SCHEMAS)
+# name: (question field, answer field, description, reference of a record); auto checks them
+# in this order, gsm8k and qwen_math (the same fields) told apart by the first answer.
+SCHEMAS = {
+    "olympiadbench": ("question", "final_answer", "OlympiadBench", _olympiad),
+    "gsm8k": ("question", "answer", "GSM8K, answer ending in '#### n'", _gsm8k),
+    "qwen_math": ("question", "answer", "Qwen2.5-Math evaluation", lambda r: _text(r, "answer")),
+    "math500": ("problem", "answer", "MATH-500/DeepScaleR/AIME/AMC", lambda r: _text(r, "answer")),
+    "math": ("problem", "solution", "MATH", _math_solution),
+}
+SCHEMA_NAMES = ("auto", *SCHEMAS)  # the choices of task.schema
+EXPECTED = "; ".join(f"{q}+{a} ({desc})" for q, a, desc, _ in SCHEMAS.values())
 
 
 def _text(record: dict, key: str) -> str:
@@ -67,22 +73,24 @@ def _text(record: dict, key: str) -> str:
     return str(value).strip()
 
 
-def load_problems(path: str | Path) -> list[Problem]:
-    """The problems of one file, in file order."""
+def load_problems(path: str | Path, schema: str = "auto") -> list[Problem]:
+    """The problems of one file, in file order; `schema`: one of SCHEMA_NAMES."""
+    if schema not in SCHEMA_NAMES:
+        raise EmapgError(f"math data: unknown schema {schema!r}; expected one of {', '.join(SCHEMA_NAMES)}")
     file = Path(path).expanduser()
     if not file.is_file():
         raise EmapgError(f"math data {str(path)!r}: no such file")
     records = _read_records(file)
     if not records:
         raise EmapgError(f"math data {file}: no records")
-    schema = _detect(file, records[0])
-    question_key, _, name, reference = schema
+    fields = SCHEMAS[schema] if schema != "auto" else _detect(file, records[0])
+    question_key, answer_key, name, reference = fields
     problems = []
     for i, record in enumerate(records):
         where = f"math data {file}: record {i + 1}"
         if not isinstance(record, dict):
             raise EmapgError(f"{where}: expected an object, got {type(record).__name__}")
-        missing = [k for k in schema[:2] if k not in record]
+        missing = [k for k in (question_key, answer_key) if k not in record]
         if missing:
             raise EmapgError(
                 f"{where}: missing field {missing[0]!r} of the {name} schema (fields found: {_fields(record)})"
@@ -99,8 +107,10 @@ def load_problems(path: str | Path) -> list[Problem]:
 
 def _detect(file: Path, first) -> tuple:
     if isinstance(first, dict):
-        for schema in SCHEMAS:
+        for name, schema in SCHEMAS.items():
             if schema[0] in first and schema[1] in first:
+                if name == "gsm8k" and "####" not in str(first["answer"]):
+                    continue  # a final answer without GSM8K's worked solution: qwen_math
                 return schema
         found = _fields(first)
     else:

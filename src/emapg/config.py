@@ -280,10 +280,10 @@ def resolve_config_path(name: str) -> Path:
     path = Path(name).expanduser()
     if path.is_file():
         return path
-    shipped = CONFIG_DIR / f"{Path(name).stem}.yaml"
+    shipped = CONFIG_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")  # e.g. paper/<run>
     if shipped.is_file():
         return shipped
-    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    names = sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.rglob("*.yaml"))
     raise EmapgError(f"config file {name!r} not found (shipped configs: {', '.join(names)})")
 
 

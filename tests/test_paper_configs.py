@@ -1,0 +1,75 @@
+"""The paper's recipes (configs/paper/): each file's header table maps every setting of the paper's
+script to an emapg field; the config, loaded, holds exactly those values."""
+
+import re
+
+import pytest
+import yaml
+
+from emapg.config import CONFIG_DIR, load_config
+
+PAPER = sorted((CONFIG_DIR / "paper").glob("*.yaml"))
+ROW = re.compile(r"^# \|(?P<cells>.*)\|\s*$")
+
+
+def mapped(path) -> list[tuple[str, str]]:
+    """(emapg field, value) of every row of the header's first table that names a field."""
+    rows, table = [], 0
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        m = ROW.match(line)
+        if not m:
+            table += bool(rows)  # a blank comment line ends the first table
+            continue
+        cells = [c.strip() for c in m.group("cells").split("|")]
+        if table == 0 and len(cells) == 4 and "." in cells[2] and not cells[3].startswith("("):
+            rows.append((cells[2], cells[3]))
+    return rows
+
+
+def placeholders(path, tmp_path) -> list[str]:
+    """Overrides that point every placeholder path at a file or directory that exists."""
+    data = yaml.safe_load(path.read_text())
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (tmp_path / "data.jsonl").write_text("")
+    out = [f"model.path={model}"]
+    for section, values in data.items():
+        for key, value in values.items():
+            if isinstance(value, str) and value.startswith("/path/to/") and key != "path":
+                out.append(f"{section}.{key}={tmp_path / 'data.jsonl'}")
+            if isinstance(value, list) and any(str(v).startswith("/path/to/") for v in value):
+                out.append(f"{section}.{key}=[{tmp_path / 'data.jsonl'}]")
+    return out
+
+
+def test_there_are_the_papers_two_recipes():
+    names = {p.stem for p in PAPER}
+    assert names >= {
+        "search_r1_qwen2.5_3b_base",
+        "deepscaler_r1_distill_1.5b_8k",
+        "deepscaler_r1_distill_1.5b_16k",
+        "deepscaler_r1_distill_1.5b_24k",
+    }
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
+def test_every_mapped_setting_holds_in_the_loaded_config(path, tmp_path):
+    rows = mapped(path)
+    assert len(rows) >= 25, f"{path.name}: the header table maps only {len(rows)} settings"
+    cfg = load_config(f"paper/{path.stem}", placeholders(path, tmp_path))
+    for field, value in rows:
+        section, key = field.split(".")
+        got = getattr(getattr(cfg, section), key)
+        want = yaml.safe_load(value)
+        assert got == (float(want) if isinstance(got, float) else want), f"{path.name}: {field}"
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
+def test_placeholders_stop_with_one_line_until_set(path):
+    from emapg.errors import EmapgError
+
+    with pytest.raises(EmapgError) as raised:
+        load_config(f"paper/{path.stem}")
+    assert "/path/to/" in str(raised.value) and "\n" not in str(raised.value)

@@ -92,7 +92,11 @@ def test_iw_clip_bad_bounds_raise_one_line(value, message):
 def test_missing_config_file_and_bad_yaml(tmp_path, capsys):
     assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err
-    assert "not found (shipped configs: " in err and "grpo, " in err and "paper/deepscaler_r1_distill_1.5b_8k" in err
+    assert (
+        "not found (shipped configs: " in err
+        and "grpo, " in err
+        and "paper/deepscaler_r1_distill_1.5b_8k" in err
+    )
     bad = tmp_path / "bad.yaml"
     bad.write_text("kl: [1, 2\n")
     assert main(["train", "--config", str(bad)]) == 2

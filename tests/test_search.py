@@ -429,6 +429,29 @@ def test_parquet_loader_and_exact_match_per_source(tmp_path, world):
         load_parquet(str(tmp_path / "bad.parquet"))
 
 
+def test_the_datas_prompt_column_is_the_prompt(tmp_path, world):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    full = "Answer the given question... Question: who?\n"
+    rows = [
+        {"question": "who?", "golden_answers": ["Ann"], "prompt": [{"role": "user", "content": full}]},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    loaded = load_parquet(str(tmp_path / "d.parquet"))
+    task = SearchTask(world[1], loaded, loaded, instruction="Q: ")
+    assert [e.prompt for e in task.train_examples() + task.eval_examples()] == [full, full]
+    # Encoded as Search-R1's loader does: the chat template when the tokenizer has one.
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<a>"
+    assert tok.decode(encode_prompts(tok, [full])[0]) == f"<user>{full}<a>"
+    assert tok.decode(encode_prompts(tok, [full], chat_template=False)[0], skip_special_tokens=True) == full
+    rows[0]["prompt"] = [{"role": "system", "content": "x"}, {"role": "user", "content": full}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "two.parquet")
+    with pytest.raises(EmapgError, match="row 0's prompt is not one user message with content"):
+        load_parquet(str(tmp_path / "two.parquet"))
+
+
 def test_format_reward_and_information_text():
     task = SearchTask(DictRetriever({}), [], [], format_reward=0.2)
     ex = Example("q", "a", {"golden_answers": ["a"], "data_source": "s"})

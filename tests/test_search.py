@@ -25,7 +25,7 @@ from emapg.policy_loss import aggregate
 from emapg.rollout import SamplingParams, encode_prompts, eos_ids
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.multiturn import run_episodes
-from emapg.search.answers import exact_match, f1, last_tag, normalize_answer, turn_action
+from emapg.search.answers import INVALID_ACTION, exact_match, f1, last_tag, normalize_answer, turn_action
 from emapg.search.environment import SearchEnvironment, information_block
 from emapg.search.retriever import BM25Retriever, HttpRetriever, format_information
 from emapg.search.server import make_server
@@ -74,6 +74,11 @@ def test_turn_actions_and_final_answer():
     # An answer inside retrieved text is not the model's.
     assert final_answer("<information><answer>x</answer></information>\n") is None
     assert final_answer("<information>y</information>\n<answer>z</answer>") == "z"
+    # The invalid-action message's example tags are the environment's, whole or cut.
+    assert final_answer(f"x{INVALID_ACTION}") is None
+    assert final_answer(f"x{INVALID_ACTION[:-12]}") is None
+    assert final_answer(f"x{INVALID_ACTION}<answer>z</answer>") == "z"
+    assert final_answer(f"<answer>a</answer>{INVALID_ACTION}<answer>z</answer>") == "z"
 
 
 tag_text = st.lists(

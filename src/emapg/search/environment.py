@@ -13,16 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from emapg.search.answers import INFORMATION, STOP, turn_action
+from emapg.search.answers import INFORMATION, INVALID_ACTION, STOP, turn_action
 from emapg.search.retriever import Retriever, format_information
-
-# Inserted after a turn with neither a search nor an answer: Search-R1's message, word for word,
-# since it is part of what the policy reads (and of what a Search-R1-trained model expects).
-INVALID_ACTION = (
-    "\nMy previous action is invalid. If I want to search, I should put the query between "
-    "<search> and </search>. If I want to give the final answer, I should put the answer between "
-    "<answer> and </answer>. Let me try again.\n"
-)
 
 
 def information_block(docs: list[dict]) -> str:

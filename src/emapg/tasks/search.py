@@ -14,7 +14,7 @@ from pathlib import Path
 
 from emapg.errors import EmapgError
 from emapg.search import world as synthetic
-from emapg.search.answers import ANSWER, INFORMATION, exact_match, f1, last_tag
+from emapg.search.answers import ANSWER, INFORMATION, INVALID_ACTION, exact_match, f1, last_tag
 from emapg.search.environment import SearchEnvironment, information_block
 from emapg.search.retriever import Retriever
 from emapg.tasks.base import Example, Task
@@ -28,9 +28,18 @@ INSTRUCTION = (
 )
 
 
+_INVALID_HEAD = INVALID_ACTION[: INVALID_ACTION.index("<")]  # the message up to its first tag
+
+
 def final_answer(response: str) -> str | None:
-    """The last `<answer>` the model wrote: text inside inserted information never counts."""
-    return last_tag(response.rpartition(INFORMATION[1])[2], ANSWER)
+    """The last `<answer>` the model wrote: text the environment inserted (passages, the
+    invalid-action message, whose example tags must not count) never counts."""
+    tail = response.rpartition(INFORMATION[1])[2]
+    before, found, rest = tail.rpartition(_INVALID_HEAD)
+    if found:  # after the message, or nothing if the message was cut (the episode ended there)
+        rest_of_message = INVALID_ACTION[len(_INVALID_HEAD) :]
+        tail = rest[len(rest_of_message) :] if rest.startswith(rest_of_message) else ""
+    return last_tag(tail, ANSWER)
 
 
 def _example(row: dict, prompt: str) -> Example:

@@ -11,9 +11,11 @@ from emapg.errors import EmapgError
 from emapg.models import build_tiny_tokenizer, load_model_and_tokenizer
 from emapg.rollout import Rollout, RolloutEngine, SamplingParams, left_pad
 from emapg.rollout.hf import HFEngine
-from emapg.rollout.multiturn import Environment, run_episodes
+from emapg.rollout.multiturn import Environment, run_episodes, sample_examples
+from emapg.search.environment import INVALID_ACTION, SearchEnvironment, information_block
 from emapg.tasks import make_task, register_task, task_names
 from emapg.tasks.base import Example, Task
+from emapg.tasks.search import SearchTask
 from test_trainer import config
 
 
@@ -62,6 +64,7 @@ class ScriptedEnvironment:
     """Inserts "(ok)" after a turn that ends in "?" (at most twice per episode); anything else ends it."""
 
     stop = ("?",)
+    max_context = max_observation_tokens = None
 
     def reset(self, prompts):
         self.prompts, self.answered, self.seen = list(prompts), [0] * len(prompts), []
@@ -81,24 +84,22 @@ def test_engines_satisfy_the_protocol(tiny_model_dir):
     assert isinstance(HFEngine(model, tok), RolloutEngine)
     assert isinstance(ScriptedEngine(tok, {}), RolloutEngine)
     assert isinstance(ScriptedEnvironment(), Environment)
-    from emapg.search.environment import SearchEnvironment
-
     assert isinstance(SearchEnvironment(None, docs_per_search=1, max_turns=1), Environment)
 
 
-def test_multiturn_loop_drives_any_engine_with_exact_masks_rows_and_budget():
+def test_multiturn_loop_drives_any_engine_with_exact_masks_rows_and_response_budget():
     tok = build_tiny_tokenizer()
     scripts = {
         10: ["a?", "b?", "c?"],  # two answers, then the environment ends it
         11: ["done."],  # EOS: the environment is not asked
-        12: ["why?", "long tail here"],  # the second turn hits the episode's token budget
+        12: ["why?", "long tail here"],  # the second turn hits the episode's response budget
     }
     engine, env = ScriptedEngine(tok, scripts), ScriptedEnvironment()
     prompts = ["p:", "q:", "r:"]
     prompt_ids = [tok(p)["input_ids"] for p in prompts]
     out = run_episodes(
         engine, env, tok, prompts, prompt_ids, SamplingParams(max_new_tokens=16, topk=2),
-        eos=[tok.eos_token_id], rows=[10, 11, 12],
+        eos=[tok.eos_token_id], rows=[10, 11, 12], max_response_tokens=16,
     )  # fmt: skip
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     want = [
@@ -125,6 +126,80 @@ def test_multiturn_loop_drives_any_engine_with_exact_masks_rows_and_budget():
     assert env.seen == [([0, 2], ["a?", "why?"]), ([0], ["b?"]), ([0], ["c?"])]
     assert out.texts == ["a?(ok)b?(ok)c?", "done.", "why?(ok)long tai"]
     assert out.truncated.tolist() == [False, False, True]  # only the last one ran out of tokens
+
+
+class ScriptedRetriever:
+    """One fixed passage per query; records the queries it was asked."""
+
+    def __init__(self, docs):
+        self.docs, self.queries = docs, []
+
+    def retrieve(self, queries, topk):
+        self.queries += queries
+        return [[self.docs[q]] for q in queries]
+
+
+def test_search_r1_episode_rules_turn_limit_truncation_invalid_message_and_context_cap():
+    """Search-R1's rules: 24 new tokens per turn, inserted text cut to 30 tokens, prompt + episode
+    capped at 140 tokens, two rounds with the environment, then a final answer turn."""
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)  # one token per character
+    docs = {q: {"id": q, "contents": f"{q}\n{q} lives in nube, boss kaso."} for q in ("gida", "nube")}
+    retriever = ScriptedRetriever(docs)
+    env = SearchEnvironment(
+        retriever, docs_per_search=1, max_turns=2, max_observation_tokens=30, max_context=140
+    )
+    search, answer = "<search>gida</search>", "<answer>nube</answer>"  # 21 tokens each
+    scripts = {
+        0: [search, "x" * 40, answer],  # search, an invalid turn cut at 24 tokens, the final answer
+        1: [search, "<search>nube</search>"],  # the second passages fill the context: the end
+        2: [search, "y" * 40],  # the second turn gets only the 13 tokens of room left: the end
+    }
+    prompts = ["q?\n", "b" * 56 + "\n", "c" * 74 + "\n"]
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    assert [len(p) for p in prompt_ids] == [4, 58, 76]  # <bos> + characters
+    engine = ScriptedEngine(tok, scripts)
+    out = sample_examples(
+        engine, tok, _EnvTask(env), [Example(p, "") for p in prompts],
+        SamplingParams(max_new_tokens=24, topk=2), chat_template=False, eos=[tok.eos_token_id],
+    )  # fmt: skip
+    info = information_block([docs["gida"]])
+    assert info.startswith("\n\n<information>Doc 1(Title: gida) gida lives")
+    want = [
+        [(search, True), (info[:30], False), ("x" * 24, True), (INVALID_ACTION[:30], False), (answer, True)],
+        [(search, True), (info[:30], False), ("<search>nube</search>", True),
+         (information_block([docs["nube"]])[:10], False)],  # 58 + 21 + 30 + 21 + 10 = 140
+        [(search, True), (info[:30], False), ("y" * 13, True)],  # 76 + 21 + 30 + 13 = 140
+    ]  # fmt: skip
+    assert INVALID_ACTION[:30] == "\nMy previous action is invalid"
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for row, parts in enumerate(want):
+        tokens = [t for text, _ in parts for t in ids(text)]
+        mask = [m for text, m in parts for _ in ids(text)]
+        n, width = len(tokens), out.response_mask.shape[1]
+        assert out.responses[row, :n].tolist() == tokens
+        assert out.response_mask[row].tolist() == mask + [False] * (width - n)  # inserted text masked
+        assert out.attention_mask[row, out.prompt_len :].tolist() == [1] * n + [0] * (width - n)
+        assert out.sampling_logp[row, :n].tolist() == [-0.5 if m else 0.0 for m in mask]
+        assert out.texts[row] == "".join(text for text, _ in parts)
+    assert [len(p) + int(out.attention_mask[r, out.prompt_len :].sum()) for r, p in enumerate(prompt_ids)] == [
+        4 + 126, 140, 140,
+    ]  # fmt: skip
+    # Each turn asks for the per-turn limit, or less when no active episode has that much room;
+    # the first episode's third turn is its last (the environment answers nothing after two
+    # rounds), the third episode's second turn filled the context and never reached the environment.
+    assert [(c[0], c[2]) for c in engine.calls] == [([0, 1, 2], 24), ([0, 1, 2], 24), ([0], 24)]
+    assert env.turns == [3, 2, 1] and env.searches == [1, 2, 1]
+    assert retriever.queries == ["gida", "gida", "gida", "nube"]
+
+
+class _EnvTask:
+    """Just enough of a task for `sample_examples`: its environment."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def environment(self):
+        return self.env
 
 
 class EchoTask(Task):

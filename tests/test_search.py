@@ -25,7 +25,7 @@ from emapg.policy_loss import aggregate
 from emapg.rollout import SamplingParams, encode_prompts, eos_ids
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.multiturn import run_episodes
-from emapg.search.answers import exact_match, f1, last_tag, normalize_answer, turn_action
+from emapg.search.answers import INVALID_ACTION, exact_match, f1, last_tag, normalize_answer, turn_action
 from emapg.search.environment import SearchEnvironment, information_block
 from emapg.search.retriever import BM25Retriever, HttpRetriever, format_information
 from emapg.search.server import make_server
@@ -74,6 +74,11 @@ def test_turn_actions_and_final_answer():
     # An answer inside retrieved text is not the model's.
     assert final_answer("<information><answer>x</answer></information>\n") is None
     assert final_answer("<information>y</information>\n<answer>z</answer>") == "z"
+    # The invalid-action message's example tags are the environment's, whole or cut.
+    assert final_answer(f"x{INVALID_ACTION}") is None
+    assert final_answer(f"x{INVALID_ACTION[:-12]}") is None
+    assert final_answer(f"x{INVALID_ACTION}<answer>z</answer>") == "z"
+    assert final_answer(f"<answer>a</answer>{INVALID_ACTION}<answer>z</answer>") == "z"
 
 
 tag_text = st.lists(
@@ -255,7 +260,7 @@ class ScriptedLM(LlamaForCausalLM):
         for b, row in enumerate(self.seen.tolist()):
             text = tok.decode(row, skip_special_tokens=True).split("\n", 1)[1]  # after the prompt line
             turn, done = (
-                (self.script[1], text.rpartition("</information>\n")[2])
+                (self.script[1], text.rpartition("</information>\n\n")[2])
                 if "</information>" in text
                 else (self.script[0], text)
             )
@@ -275,7 +280,7 @@ class DictRetriever:
 
 
 def test_scripted_two_turn_episode_masks_exactly_the_inserted_tokens():
-    tok = build_tiny_tokenizer("<>")
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
     base = build_tiny_model(tok, max_position_embeddings=256)
     model = ScriptedLM(base.config)
     model.generation_config = base.generation_config
@@ -319,7 +324,7 @@ def test_scripted_two_turn_episode_masks_exactly_the_inserted_tokens():
 
 
 def test_search_limit_ends_the_episode():
-    tok = build_tiny_tokenizer("<>")
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
     base = build_tiny_model(tok, max_position_embeddings=256)
     model = ScriptedLM(base.config)
     model.generation_config, model.tokenizer = base.generation_config, tok
@@ -349,7 +354,7 @@ class NoisyAtMasked(torch.nn.Module):
 
 def test_loss_and_kl_ignore_masked_tokens():
     torch.manual_seed(0)
-    tok = build_tiny_tokenizer("<>")
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
     policy = build_tiny_model(tok, max_position_embeddings=64, seed=1)
     anchor = build_tiny_model(tok, max_position_embeddings=64, seed=2)
     n, p, length, vocab = 3, 4, 10, len(tok)
@@ -390,7 +395,7 @@ def test_loss_and_kl_ignore_masked_tokens():
 
 
 def test_sft_masks_inserted_information():
-    tok = build_tiny_tokenizer("<>")
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
     segments = [
         ("<search>a</search>", True),
         ("\n<information>x</information>\n", False),
@@ -430,11 +435,56 @@ def test_parquet_loader_and_exact_match_per_source(tmp_path, world):
         load_parquet(str(tmp_path / "bad.parquet"))
 
 
+def test_the_datas_prompt_column_is_the_prompt(tmp_path, world):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    full = "Answer the given question... Question: who?\n"
+    rows = [
+        {"question": "who?", "golden_answers": ["Ann"], "prompt": [{"role": "user", "content": full}]},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    loaded = load_parquet(str(tmp_path / "d.parquet"))
+    task = SearchTask(world[1], loaded, loaded, instruction="Q: ")
+    assert [e.prompt for e in task.train_examples() + task.eval_examples()] == [full, full]
+    # Encoded as Search-R1's loader does: the chat template when the tokenizer has one.
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<a>"
+    assert tok.decode(encode_prompts(tok, [full])[0]) == f"<user>{full}<a>"
+    assert tok.decode(encode_prompts(tok, [full], chat_template=False)[0], skip_special_tokens=True) == full
+    rows[0]["prompt"] = [{"role": "system", "content": "x"}, {"role": "user", "content": full}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "two.parquet")
+    with pytest.raises(EmapgError, match="row 0's prompt is not one user message with content"):
+        load_parquet(str(tmp_path / "two.parquet"))
+
+
 def test_format_reward_and_information_text():
     task = SearchTask(DictRetriever({}), [], [], format_reward=0.2)
     ex = Example("q", "a", {"golden_answers": ["a"], "data_source": "s"})
     assert [task.score(r, ex) for r in ("<answer>a</answer>", "<answer>b</answer>", "b")] == [1.0, 0.2, 0.0]
-    assert format_information([{"contents": "T\nbody"}, {"contents": "only"}]) == "T: body\nonly"
+    # Search-R1's passage format: numbered, title in parentheses, the whole stripped.
+    docs = [{"contents": "T\nbody"}, {"contents": "U\ntwo\nlines"}, {"contents": "only"}]
+    assert format_information(docs) == "Doc 1(Title: T) body\nDoc 2(Title: U) two\nlines\nDoc 3(Title: only)"
+    assert information_block(docs[:1]) == "\n\n<information>Doc 1(Title: T) body</information>\n\n"
+
+
+def test_the_episode_cap_must_fit_the_models_context():
+    from types import SimpleNamespace
+
+    from emapg.trainer import check_context
+
+    cfg = load_config("search_tiny")
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256))
+    examples = [Example("who?\n", "a", {})]
+    task = SearchTask(DictRetriever({}), [], [], max_context=320)
+    with pytest.raises(EmapgError, match=r"max_context=320 \(retriever.max_context .* context of 256$"):
+        check_context(cfg, model, tok, examples, task)
+    task.max_context = 60  # a 6-token prompt and a 64-token turn do not fit
+    with pytest.raises(EmapgError, match="max_new_tokens=64 it exceeds the episode cap max_context=60$"):
+        check_context(cfg, model, tok, examples, task)
+    task.max_context = 70
+    check_context(cfg, model, tok, examples, task)
 
 
 def test_search_config_validation(tmp_path):

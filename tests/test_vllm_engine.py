@@ -354,6 +354,7 @@ class ScriptedEnv:
 
     def __init__(self, stop):
         self.stop = (stop,)
+        self.max_context = self.max_observation_tokens = None
         self.turns: dict[int, list[str]] = {}
 
     def reset(self, prompts):

@@ -94,7 +94,9 @@ class TaskConfig:
 class RolloutConfig:
     prompts_per_step: int = _f(32, "prompts per rollout batch")
     group_size: int = _f(8, "samples per prompt (GRPO group)")
-    max_new_tokens: int = _f(8, "response length limit in tokens")
+    max_new_tokens: int = _f(
+        8, "response length limit in tokens; multi-turn episodes (search): per model turn"
+    )
     temperature: float = _f(1.0, "sampling temperature; the policy is softmax(logits / temperature)")
     top_p: float = _f(1.0, "nucleus sampling; < 1 samples from a truncated policy (see rollout/hf.py)")
     stop: list = _f([], "stop strings that end a response (besides EOS)")
@@ -193,7 +195,15 @@ class RetrieverConfig:
     )
     url: str = _f("", "search: a Search-R1 retrieval server (http://host:port/retrieve) instead of BM25")
     topk: int = _f(3, "search: passages returned per query")
-    max_turns: int = _f(4, "search: most searches per episode (then one more turn to answer)")
+    max_turns: int = _f(
+        4, "search: rounds with the environment (search or invalid-action message), then one final turn"
+    )
+    max_observation_tokens: int = _f(
+        500, "search: inserted text (passages, messages) cut to this many tokens"
+    )
+    max_context: int = _f(
+        4096, "search: prompt + episode tokens cap; a turn gets at most the room left, a full episode ends"
+    )
     format_reward: float = _f(0.0, "search: reward of a well-formed but wrong <answer>")
     train_file: str = _f("", "search: Search-R1 parquet training data; empty: the built-in world")
     eval_file: str = _f("", "search: Search-R1 parquet evaluation data (needed with train_file)")
@@ -419,6 +429,10 @@ def validate(cfg: Config) -> None:
     r = cfg.retriever
     _check(r.topk >= 1 and r.max_turns >= 1, "retriever.topk and retriever.max_turns must be >= 1")
     _check(0 <= r.format_reward < 1, "retriever.format_reward must be in [0, 1)")
+    _check(
+        r.max_observation_tokens >= 1 and r.max_context >= 1,
+        "retriever.max_observation_tokens and retriever.max_context must be >= 1",
+    )
     _check(
         bool(r.train_file) == bool(r.eval_file), "retriever.train_file and retriever.eval_file go together"
     )

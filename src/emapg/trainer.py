@@ -357,19 +357,30 @@ def load_policy(cfg: Config, task: Task, progress: bool):
     return (*load_model_and_tokenizer(path, dtype=dtype), str(path))
 
 
-def check_context(cfg: Config, model, tokenizer, examples: list[Example]) -> None:
-    """Stop before training when the longest prompt plus a full response exceeds the context."""
+def check_context(cfg: Config, model, tokenizer, examples: list[Example], task: Task | None = None) -> None:
+    """Stop before training when a response could outrun the model's context: the longest prompt
+    plus a full response (multi-turn: one full turn) must fit, and a multi-turn environment's
+    `max_context` cap, which bounds whole episodes, must not exceed the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if not limit or not examples:
         return
+    cap, name = limit, f"the model's context of {limit}"
+    env = task.environment() if task is not None else None
+    if getattr(env, "max_context", None) is not None:
+        if env.max_context > limit:
+            raise EmapgError(
+                f"the episode cap max_context={env.max_context} (retriever.max_context for search) "
+                f"exceeds the model's context of {limit}"
+            )
+        cap, name = env.max_context, f"the episode cap max_context={env.max_context}"
     lengths = [
         len(ids) for ids in encode_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
     ]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
-    if lengths[longest] + cfg.rollout.max_new_tokens > limit:
+    if lengths[longest] + cfg.rollout.max_new_tokens > cap:
         raise EmapgError(
             f"prompt {examples[longest].prompt[:40]!r}... is {lengths[longest]} tokens; with "
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} it exceeds the model's context of {limit}"
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} it exceeds {name}"
         )
 
 
@@ -477,7 +488,7 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
         raise EmapgError(f"task {task.name!r} has no evaluation examples")
     scorer = RewardScorer(task, timeout_s=cfg.task.reward_timeout_s, isolation=cfg.task.reward_isolation)
     model, tokenizer, model_dir = load_policy(cfg, task, cfg.train.progress and distributed.is_main())
-    check_context(cfg, model, tokenizer, train_examples + eval_examples)
+    check_context(cfg, model, tokenizer, train_examples + eval_examples, task)
     engine = make_engine(cfg, model, tokenizer, model_dir)  # a missing vLLM stops here, before training
     model.to(device).train()
     if cfg.train.gradient_checkpointing:

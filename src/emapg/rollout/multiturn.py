@@ -2,11 +2,17 @@
 
 Any rollout engine drives the model and any `Environment` answers: each turn samples the
 episodes still active from their token ids so far (no decode/re-encode round trip can change a
-token the policy sampled); a turn ends at one of the environment's stop strings, EOS or the
-episode's token budget. The environment then returns text to insert (e.g. retrieved passages)
-or None to end the episode. The result is one ordinary Rollout whose response region is the
-model's turns and the inserted text: inserted tokens are attended to (attention_mask 1) but have
+token the policy sampled); a turn ends at one of the environment's stop strings, EOS or its
+token limit. The environment then returns text to insert (e.g. retrieved passages) or None to
+end the episode. The result is one ordinary Rollout whose response region is the model's turns
+and the inserted text: inserted tokens are attended to (attention_mask 1) but have
 response_mask False, so the policy loss, KL, entropy and anchor summaries skip them.
+
+Limits (Search-R1's): `params.max_new_tokens` new tokens per model turn; each inserted text cut
+to `max_observation_tokens` tokens; prompt plus response capped at `max_context` tokens (a turn
+gets at most the room left, and an episode whose context is full ends); optionally the whole
+response capped at `max_response_tokens`. An environment may carry `max_observation_tokens` and
+`max_context` attributes; `sample_examples` passes them on.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from emapg.rollout.base import Rollout, RolloutEngine, SamplingParams, encode_pr
 
 @runtime_checkable
 class Environment(Protocol):
-    """What answers the model in multi-turn episodes; one instance serves one batch of episodes."""
+    """What answers the model in multi-turn episodes; one instance serves one batch of episodes.
+    Turn counting is the environment's: it ends an episode by returning None."""
 
     stop: tuple[str, ...]  # strings that end a model turn (e.g. "</search>"), besides EOS
+    max_context: int | None  # prompt + episode tokens an episode may reach (None: no cap)
+    max_observation_tokens: int | None  # inserted text is cut to this many tokens (None: no cut)
 
     def reset(self, prompts: Sequence[str]) -> None:
         """Begin one episode per prompt (the task's prompt text, before any chat template)."""
@@ -67,9 +76,20 @@ def run_episodes(
     *,
     eos: Sequence[int],
     rows: Sequence[int] | None = None,
+    max_context: int | None = None,
+    max_observation_tokens: int | None = None,
+    max_response_tokens: int | None = None,
 ) -> Rollout:
     """Run one episode per prompt until the environment ends it, the model writes EOS, or the
-    episode has used `params.max_new_tokens` tokens (model turns and inserted text together).
+    episode has no room left.
+
+    Each model turn samples at most `params.max_new_tokens` tokens, and never more than the room
+    left under `max_context` (prompt + response tokens) and `max_response_tokens` (response
+    tokens: model turns and inserted text together); None: no such cap. A turn that fills the
+    room ends the episode without asking the environment (nothing more would fit); any other
+    turn that does not end in EOS goes to the environment, the per-turn limit included. Inserted
+    text is cut to `max_observation_tokens` tokens, then to the room left; an episode whose room
+    is then used up ends.
 
     `rows[i]` is episode i's global row index (default 0..N-1); every turn samples each episode
     under its own row, so episodes draw the same tokens whichever batch or rank runs them.
@@ -77,46 +97,57 @@ def run_episodes(
     rows = list(range(len(prompts))) if rows is None else list(rows)
     env.reset(prompts)
     episodes = [_Episode() for _ in prompts]
-    active = list(range(len(prompts)))
     turn_params = replace(params, stop=(*env.stop, *params.stop))
     eos = set(eos)
     k = params.topk
+    inf = float("inf")
+
+    def room(i: int) -> float:
+        """Tokens episode i may still add under the context and response caps."""
+        used = len(episodes[i].ids)
+        context = inf if max_context is None else max_context - len(prompt_ids[i]) - used
+        response = inf if max_response_tokens is None else max_response_tokens - used
+        return min(context, response)
+
+    active = [i for i in range(len(prompts)) if room(i) > 0]
     while active:
-        budget = [params.max_new_tokens - len(episodes[i].ids) for i in active]
+        budget = [int(min(params.max_new_tokens, room(i))) for i in active]
         out = engine.sample(
             [list(prompt_ids[i]) + episodes[i].ids for i in active],
             replace(turn_params, max_new_tokens=max(budget)),
             rows=[rows[i] for i in active],
         )
         answering, turns = [], []
-        for row, (i, room) in enumerate(zip(active, budget, strict=True)):
-            n = min(int(out.response_mask[row].sum()), room)  # a turn may not outrun its own budget
+        for row, (i, limit) in enumerate(zip(active, budget, strict=True)):
+            n = min(int(out.response_mask[row].sum()), limit)  # a turn may not outrun its own limit
             new = out.responses[row, :n].tolist()
             episodes[i].add(
                 new, True, out.sampling_logp[row, :n].tolist(), out.topk_ids[row, :n].cpu(),
                 out.entropy[row, :n].tolist(),
             )  # fmt: skip
-            if new and new[-1] in eos:
-                continue
-            if n == room:
-                episodes[i].truncated = True
-            else:
+            ended = bool(new) and new[-1] in eos
+            if room(i) <= 0:
+                episodes[i].truncated = not ended  # no room left: the episode is cut
+            elif not ended:
                 answering.append(i)
                 turns.append(tokenizer.decode(new, skip_special_tokens=True))
         active = []
         for i, text in zip(answering, env.step(answering, turns) if answering else [], strict=True):
             if text is None:
                 continue
-            ep = episodes[i]
-            inserted = tokenizer(text, add_special_tokens=False)["input_ids"][
-                : params.max_new_tokens - len(ep.ids)
-            ]
-            ep.add(inserted, False, [0.0] * len(inserted), torch.zeros(len(inserted), k, dtype=torch.long),
-                   [0.0] * len(inserted))  # fmt: skip
-            if len(ep.ids) < params.max_new_tokens:
+            inserted = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if max_observation_tokens is not None:
+                inserted = inserted[:max_observation_tokens]
+            left = room(i)
+            inserted = inserted if left == inf else inserted[: int(left)]
+            episodes[i].add(
+                inserted, False, [0.0] * len(inserted), torch.zeros(len(inserted), k, dtype=torch.long),
+                [0.0] * len(inserted),
+            )  # fmt: skip
+            if room(i) > 0:
                 active.append(i)
             else:
-                ep.truncated = True
+                episodes[i].truncated = True
     return _to_rollout(tokenizer, prompt_ids, episodes, k)
 
 
@@ -162,10 +193,14 @@ def sample_examples(
     rows: Sequence[int] | None = None,
 ) -> Rollout:
     """One response per example (repeat an example for a group): a single turn, or multi-turn
-    episodes when the task has an environment. `rows` as in `RolloutEngine.sample`."""
+    episodes when the task has an environment (with the episode limits it carries:
+    `max_context`, `max_observation_tokens`). `rows` as in `RolloutEngine.sample`."""
     prompts = [e.prompt for e in examples]
     prompt_ids = encode_prompts(tokenizer, prompts, chat_template)
     env = task.environment()
     if env is None:
         return engine.sample(prompt_ids, params, rows=rows)
-    return run_episodes(engine, env, tokenizer, prompts, prompt_ids, params, eos=eos, rows=rows)
+    return run_episodes(
+        engine, env, tokenizer, prompts, prompt_ids, params, eos=eos, rows=rows,
+        max_context=env.max_context, max_observation_tokens=env.max_observation_tokens,
+    )  # fmt: skip

@@ -1,7 +1,8 @@
 """The search protocol's tags, and SQuAD-style answer metrics.
 
 The model writes `<search> query </search>` to ask the environment, which answers with
-`<information> ... </information>`; `<answer> ... </answer>` ends the episode. Parsing is plain
+`<information> ... </information>` (or `INVALID_ACTION` after a turn with neither tag);
+`<answer> ... </answer>` ends the episode. Parsing is plain
 string search (no regular expressions), so it is linear in the text and cannot raise.
 """
 
@@ -15,6 +16,13 @@ SEARCH = ("<search>", "</search>")
 ANSWER = ("<answer>", "</answer>")
 INFORMATION = ("<information>", "</information>")
 STOP = [SEARCH[1], ANSWER[1]]  # a model turn ends at either closing tag (or EOS)
+# Inserted after a turn with neither a search nor an answer: Search-R1's message, word for word,
+# since it is part of what the policy reads (and of what a Search-R1-trained model expects).
+INVALID_ACTION = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between "
+    "<search> and </search>. If I want to give the final answer, I should put the answer between "
+    "<answer> and </answer>. Let me try again.\n"
+)
 
 
 def last_tag(text: str, tags: tuple[str, str]) -> str | None:

@@ -128,9 +128,10 @@ def make_retriever(corpus: str, url: str) -> Retriever:
 
 
 def format_information(docs: list[dict]) -> str:
-    """Retrieved documents as the model sees them: `title: text`, one per line."""
-    lines = []
-    for doc in docs:
+    """Retrieved documents as the model sees them (Search-R1's format): `Doc i(Title: title) text`,
+    one per line, the whole stripped."""
+    out = ""
+    for i, doc in enumerate(docs, 1):
         title, _, text = str(doc.get("contents", "")).partition("\n")
-        lines.append(f"{title}: {text}" if text else title)
-    return "\n".join(lines)
+        out += f"Doc {i}(Title: {title}) {text}\n"
+    return out.strip()

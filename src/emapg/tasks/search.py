@@ -8,17 +8,18 @@ of its final `<answer>` with any gold answer after SQuAD normalisation, optional
 from __future__ import annotations
 
 import random
+import string
 from collections import defaultdict
 from pathlib import Path
 
 from emapg.errors import EmapgError
 from emapg.search import world as synthetic
-from emapg.search.answers import ANSWER, INFORMATION, exact_match, f1, last_tag
+from emapg.search.answers import ANSWER, INFORMATION, INVALID_ACTION, exact_match, f1, last_tag
 from emapg.search.environment import SearchEnvironment, information_block
 from emapg.search.retriever import Retriever
 from emapg.tasks.base import Example, Task
 
-# Search-R1's instruction, in our words, for pretrained models on real data.
+# Search-R1's instruction, in our words, for parquet data without a `prompt` column.
 INSTRUCTION = (
     "Answer the question. Think step by step inside <think> and </think>. When you need facts, "
     "search with <search> query </search> and the results come back between <information> and "
@@ -27,9 +28,18 @@ INSTRUCTION = (
 )
 
 
+_INVALID_HEAD = INVALID_ACTION[: INVALID_ACTION.index("<")]  # the message up to its first tag
+
+
 def final_answer(response: str) -> str | None:
-    """The last `<answer>` the model wrote: text inside inserted information never counts."""
-    return last_tag(response.rpartition(INFORMATION[1])[2], ANSWER)
+    """The last `<answer>` the model wrote: text the environment inserted (passages, the
+    invalid-action message, whose example tags must not count) never counts."""
+    tail = response.rpartition(INFORMATION[1])[2]
+    before, found, rest = tail.rpartition(_INVALID_HEAD)
+    if found:  # after the message, or nothing if the message was cut (the episode ended there)
+        rest_of_message = INVALID_ACTION[len(_INVALID_HEAD) :]
+        tail = rest[len(rest_of_message) :] if rest.startswith(rest_of_message) else ""
+    return last_tag(tail, ANSWER)
 
 
 def _example(row: dict, prompt: str) -> Example:
@@ -39,8 +49,19 @@ def _example(row: dict, prompt: str) -> Example:
     return Example(prompt, golds[0] if golds else "", meta)
 
 
+def row_prompt(row: dict, instruction: str) -> str:
+    """The prompt text of a data row: the content of its `prompt` column when present (Search-R1's
+    files carry the full prompt as one user message; the chat template, if any, is applied at
+    encoding as Search-R1's loader does), else `instruction` + question + newline."""
+    messages = row.get("prompt")
+    if messages is None:
+        return f"{instruction}{row['question']}\n"
+    return messages[0]["content"]
+
+
 def load_parquet(path: str) -> list[dict]:
-    """Rows of a Search-R1 parquet file: `question`, `golden_answers` (a list), `data_source`."""
+    """Rows of a Search-R1 parquet file: `question`, `golden_answers` (a list), `data_source`, and
+    optionally `prompt` (a list with one user message, `[{"role": "user", "content": ...}]`)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -62,13 +83,21 @@ def load_parquet(path: str) -> list[dict]:
             row["golden_answers"] = [golds]
         elif not golds:
             raise EmapgError(f"search data {path!r}: row {n} has no golden_answers")
+        messages = row.get("prompt")
+        if messages is not None and not (
+            len(messages) == 1 and isinstance(messages[0], dict) and messages[0].get("role") == "user"
+            and isinstance(messages[0].get("content"), str)
+        ):  # fmt: skip
+            raise EmapgError(f"search data {path!r}: row {n}'s prompt is not one user message with content")
     return rows
 
 
 class SearchTask(Task):
     name = "search"
     score_is_safe = True  # string matching: no worker process needed
-    tiny_extra_chars = "<>"  # the tags need them in the built-in character tokenizer
+    # The tags, "Doc 1(Title: ...)" and the invalid-action message need them in the built-in
+    # character tokenizer.
+    tiny_extra_chars = "<>" + string.ascii_uppercase
 
     def __init__(
         self,
@@ -81,13 +110,16 @@ class SearchTask(Task):
         format_reward: float = 0.0,
         instruction: str = "",
         world: dict | None = None,
+        max_observation_tokens: int | None = None,
+        max_context: int | None = None,
     ):
         if topk < 1 or max_turns < 1 or not 0 <= format_reward < 1:
             raise EmapgError("search task: expected topk >= 1, max_turns >= 1 and 0 <= format_reward < 1")
         self.retriever, self.topk, self.max_turns = retriever, topk, max_turns
         self.format_reward, self.world = format_reward, world
-        self._train = [_example(r, f"{instruction}{r['question']}\n") for r in train]
-        self._eval = [_example(r, f"{instruction}{r['question']}\n") for r in eval]
+        self.max_observation_tokens, self.max_context = max_observation_tokens, max_context
+        self._train = [_example(r, row_prompt(r, instruction)) for r in train]
+        self._eval = [_example(r, row_prompt(r, instruction)) for r in eval]
 
     def train_examples(self) -> list[Example]:
         return list(self._train)
@@ -115,7 +147,10 @@ class SearchTask(Task):
         return {k: sum(v) / len(v) for k, v in groups.items()}
 
     def environment(self) -> SearchEnvironment:
-        return SearchEnvironment(self.retriever, docs_per_search=self.topk, max_turns=self.max_turns)
+        return SearchEnvironment(
+            self.retriever, docs_per_search=self.topk, max_turns=self.max_turns,
+            max_observation_tokens=self.max_observation_tokens, max_context=self.max_context,
+        )  # fmt: skip
 
     def sft_examples(self) -> list[Example]:
         """Demonstration episodes for the warm start (built-in world only); inserted information is
@@ -143,6 +178,7 @@ def from_config(cfg) -> SearchTask:
         return SearchTask(
             make_retriever(r.corpus, r.url), train[: t.num_train], eval[: t.num_eval], topk=r.topk,
             max_turns=r.max_turns, format_reward=r.format_reward, instruction=INSTRUCTION,
+            max_observation_tokens=r.max_observation_tokens, max_context=r.max_context,
         )  # fmt: skip
     world = synthetic.build_world(t.seed, r.world_people, r.world_cities)
     rows = synthetic.questions(world)
@@ -157,4 +193,5 @@ def from_config(cfg) -> SearchTask:
     return SearchTask(
         make_retriever(str(corpus), r.url), rows[t.num_eval :][: t.num_train], rows[: t.num_eval],
         topk=r.topk, max_turns=r.max_turns, format_reward=r.format_reward, world=world,
+        max_observation_tokens=r.max_observation_tokens, max_context=r.max_context,
     )  # fmt: skip

@@ -169,3 +169,15 @@ def test_eval_data_defaults_to_held_out_training_records(tmp_path, tiny_model_di
     task = make_task(cfg)
     assert len(task.train_examples()) == 12
     assert [e.meta["columns"]["answer"] for e in task.eval_examples()] == [r["answer"] for r in sums(20)[12:]]
+
+
+def test_the_python_api_trains_a_task_instance_for_one_run(tmp_path, tiny_model_dir):
+    import emapg
+    from emapg.tasks import task_names
+    from test_interfaces import EchoTask
+
+    cfg = config(tmp_path, tiny_model_dir, "train.steps=1")
+    result = emapg.train(cfg, ["train.eval_every=1"], task=EchoTask())
+    assert result["run_dir"] == str(tmp_path / "quickstart") and 0 <= result["accuracy_after"] <= 1
+    assert [r["step"] for r in records(tmp_path)] == [0, 1] and "echo/length" in records(tmp_path)[1]
+    assert "echo" not in task_names() and cfg.task.name == "arithmetic"  # registered for that run only

@@ -278,6 +278,13 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     except yaml.YAMLError as e:
         raise EmapgError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
     _from_mapping(cfg, data, str(file))
+    apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> None:
+    """Set each `key=value` (the value read as YAML) on `cfg`; validate afterwards."""
     for item in overrides:
         key, eq, raw = item.partition("=")
         if not eq:
@@ -287,8 +294,6 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError:
             value = raw
         _set(cfg, key.strip(), value)
-    validate(cfg)
-    return cfg
 
 
 def _check(ok: bool, message: str) -> None:

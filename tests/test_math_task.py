@@ -106,7 +106,7 @@ def test_config_data_files_and_validation(tmp_path):
         "task.format_reward=1": "task.format_reward must be in [0, 1)",
         "task.schema=aime": "task.schema: unknown 'aime'; expected one of auto, olympiadbench, gsm8k, qwen_math, math500, math",
         "task.prompt=x": "task.prompt must contain {question}",
-        "task.name=maths": "task.name: unknown 'maths' (did you mean 'math'?); registered: arithmetic, math, search",
+        "task.name=maths": "task.name: unknown 'maths' (did you mean 'math'?); registered: arithmetic, dataset, math, search",
     }
     for override, message in bad.items():
         with pytest.raises(EmapgError) as e:

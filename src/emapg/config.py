@@ -71,9 +71,15 @@ class TaskConfig:
     min_digits: int = _f(1, "arithmetic: fewest digits of an operand")
     max_digits: int = _f(2, "arithmetic: most digits of an operand")
     train_files: list = _f(
-        [], "math: training data (.jsonl/.json/.parquet, schema told by its fields); empty: shipped samples"
+        [],
+        "math: training data (.jsonl/.json/.parquet, schema told by its fields), empty: shipped samples; "
+        "dataset: files (also .csv), save_to_disk directories or dataset names",
     )
-    eval_files: list = _f([], "math: held-out data for eval/accuracy (same formats); empty: shipped samples")
+    eval_files: list = _f(
+        [],
+        "held-out data for eval/accuracy (same formats); empty: math's shipped samples, dataset's last "
+        "num_eval training records",
+    )
     schema: str = _f(
         "auto",
         "math: schema of the data files; auto tells it by the fields, and question+answer by the answer "
@@ -84,6 +90,18 @@ class TaskConfig:
     prompt: str = _f(
         "", "math: prompt template with {question}; empty: Qwen2.5-Math's step-by-step \\boxed{} one"
     )
+    prompt_field: str = _f("prompt", "dataset: the prompt's column: text, or chat messages [{role, content}]")
+    answer_field: str = _f(
+        "",
+        "dataset: column of reference completions; builtin:tiny warm-starts on them (empty: on arithmetic)",
+    )
+    reward_fns: list = _f(
+        [], "dataset: reward functions module:function or path/to/file.py:function, TRL's signature"
+    )
+    reward_weights: list = _f([], "dataset: one weight per reward function (empty: all 1)")
+    train_split: str = _f("train", "dataset: split of a dataset name or of a saved DatasetDict, for training")
+    eval_split: str = _f("test", "dataset: split of a dataset name or of a saved DatasetDict, for evaluation")
+    dataset_config: str = _f("", "dataset: configuration name of a dataset (e.g. main for gsm8k)")
     reward_timeout_s: float = _f(10.0, "time limit of one score call; past it the response gets reward 0")
     reward_isolation: str = _f(
         "auto", "auto: a worker process unless the task declares score_is_safe; process; inline", ISOLATION
@@ -306,6 +324,13 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     except yaml.YAMLError as e:
         raise EmapgError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
     _from_mapping(cfg, data, str(file))
+    apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> None:
+    """Set each `key=value` (the value read as YAML) on `cfg`; validate afterwards."""
     for item in overrides:
         key, eq, raw = item.partition("=")
         if not eq:
@@ -315,8 +340,6 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError:
             value = raw
         _set(cfg, key.strip(), value)
-    validate(cfg)
-    return cfg
 
 
 def _check(ok: bool, message: str) -> None:
@@ -448,7 +471,14 @@ def validate(cfg: Config) -> None:
     )
     for key in ("train_files", "eval_files"):
         for f in getattr(cfg.task, key):
-            _check(isinstance(f, str) and _exists(f, file=True), f"task.{key}: {f!r} does not exist")
+            _check(isinstance(f, str), f"task.{key}: expected paths or names, got {f!r:.60}")
+            # dataset: directories and dataset names too, checked when the task loads its data
+            _check(cfg.task.name == "dataset" or _exists(f, file=True), f"task.{key}: {f!r} does not exist")
+    _check(bool(cfg.task.prompt_field), "task.prompt_field must name a column")
+    _check(
+        _numbers(cfg.task.reward_weights),
+        f"task.reward_weights must be numbers; got {cfg.task.reward_weights!r:.80}",
+    )
     _check(0 <= cfg.task.format_reward < 1, "task.format_reward must be in [0, 1)")
     _check(not cfg.task.prompt or "{question}" in cfg.task.prompt, "task.prompt must contain {question}")
     path = cfg.model.path  # a path (not a hub name) must exist: catches the placeholder of math_qwen

@@ -8,6 +8,10 @@ persistent worker process fed a whole batch at a time; a call that overruns its 
 the worker, and a fresh one scores the rest of the batch. A task whose scorer is trivially
 safe says so (`score_is_safe = True`, e.g. arithmetic's exact match) and is scored in-process,
 with the same checks on exceptions and values but no time limit and no overhead.
+
+A score is a number in the task's `reward_range` ([0, 1] unless the task says otherwise), or
+a `Reward`: the number and its named parts (e.g. one per reward function of a dataset task),
+whose means are logged beside the reward.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pickle
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from emapg.errors import EmapgError
@@ -30,22 +34,71 @@ STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter importing the task's module (an
 log = logging.getLogger("emapg")
 
 
+RANGE = (0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A score with its named parts; a part is None where it does not apply (abstains)."""
+
+    value: float
+    parts: dict[str, float | None]
+
+
 @dataclass
 class Scored:
     rewards: list[float]
-    errors: int = 0  # raised, or returned something other than a number in [0, 1]
+    errors: int = 0  # raised, or returned something other than a number in the reward range
     timeouts: int = 0  # ran past the time limit
+    parts: list[dict | None] = field(default_factory=list)  # per response: a Reward's parts, or None
+    problems: list[str] = field(default_factory=list)  # what went wrong, one entry per error
+
+    def part_sums(self, names) -> list[tuple[float, int]]:
+        """(sum, count) of each named part over the responses where it has a value."""
+        out = []
+        for name in names:
+            values = [p[name] for p in self.parts if p and p.get(name) is not None]
+            out.append((float(sum(values)), len(values)))
+        return out
 
 
-def score_one(score, response: str, example) -> tuple[float, str | None]:
-    """(reward, None), or (0.0, what went wrong) when `score` raises or returns a bad value."""
+def _range_text(low: float, high: float) -> str:
+    if math.isinf(low) and math.isinf(high):
+        return "a finite number"
+    return f"a number in [{low:g}, {high:g}]"
+
+
+def _check(value, low: float, high: float) -> bool:
+    return isinstance(value, numbers.Real) and math.isfinite(value) and low <= value <= high
+
+
+def score_detail(score, response: str, example, reward_range=RANGE) -> tuple[float, str | None, dict | None]:
+    """(reward, None, parts or None), or (0.0, what went wrong, None) when `score` raises or
+    returns a bad value: not a number in `reward_range`, or a Reward with a bad value or part."""
+    low, high = reward_range
     try:
         value = score(response, example)
     except Exception as e:  # user code: any failure is that response's problem only
-        return 0.0, f"raised {type(e).__name__}: {e}"
-    if isinstance(value, numbers.Real) and math.isfinite(value) and 0.0 <= value <= 1.0:
-        return float(value), None
-    return 0.0, f"returned {value!r:.60}, expected a number in [0, 1]"
+        return 0.0, f"raised {type(e).__name__}: {e}", None
+    parts = None
+    if isinstance(value, Reward):
+        parts = value.parts
+        bad = [k for k, v in parts.items() if v is not None and not _check(v, -math.inf, math.inf)]
+        if bad:
+            return (
+                0.0,
+                f"returned part {bad[0]}={parts[bad[0]]!r:.60}, expected a finite number or None",
+                None,
+            )
+        value = value.value
+    if _check(value, low, high):
+        return float(value), None, parts
+    return 0.0, f"returned {value!r:.60}, expected {_range_text(low, high)}", None
+
+
+def score_one(score, response: str, example, reward_range=RANGE) -> tuple[float, str | None]:
+    """(reward, None), or (0.0, what went wrong) when `score` raises or returns a bad value."""
+    return score_detail(score, response, example, reward_range)[:2]
 
 
 def _worker(fd: int) -> None:
@@ -53,8 +106,11 @@ def _worker(fd: int) -> None:
     conn = Connection(fd)
     path, payload = conn.recv()
     sys.path[:] = path
+    # The package's module, not this __main__ copy: a task's Reward is emapg.rewards.Reward.
+    from emapg.rewards import score_detail as detail
+
     try:
-        score = pickle.loads(payload)
+        score, reward_range = pickle.loads(payload)
     except Exception as e:
         conn.send(f"cannot load the task: {type(e).__name__}: {e}")
         return
@@ -65,7 +121,7 @@ def _worker(fd: int) -> None:
         except EOFError:  # the trainer is gone
             return
         for response, example in batch:
-            conn.send(score_one(score, response, example))
+            conn.send(detail(score, response, example, reward_range))
 
 
 class _NotPicklable(Exception):
@@ -86,6 +142,7 @@ class RewardScorer:
         if not timeout_s > 0:
             raise EmapgError(f"task.reward_timeout_s must be > 0; got {timeout_s}")
         self.task, self.timeout_s = task, timeout_s
+        self.reward_range = tuple(getattr(task, "reward_range", RANGE))
         self.inline = isolation == "inline" or (isolation == "auto" and getattr(task, "score_is_safe", False))
         self._process = self._conn = None
         self._warned = False
@@ -103,7 +160,7 @@ class RewardScorer:
         out = Scored([])
         if self.inline:
             for response, example in items:
-                self._record(out, *score_one(self.task.score, response, example))
+                self._record(out, *score_detail(self.task.score, response, example, self.reward_range))
             return out
         while items:
             done = self._score_in_worker(items, out)
@@ -118,6 +175,7 @@ class RewardScorer:
         for done in range(len(items)):
             if not self._conn.poll(self.timeout_s):
                 out.rewards.append(0.0)
+                out.parts.append(None)
                 out.timeouts += 1
                 self._warn(f"took longer than task.reward_timeout_s={self.timeout_s} s")
                 self._stop()
@@ -130,10 +188,12 @@ class RewardScorer:
                 return done + 1
         return len(items)
 
-    def _record(self, out: Scored, reward: float, problem: str | None) -> None:
+    def _record(self, out: Scored, reward: float, problem: str | None, parts: dict | None = None) -> None:
         out.rewards.append(reward)
+        out.parts.append(parts)
         if problem is not None:
             out.errors += 1
+            out.problems.append(problem)
             self._warn(problem)
 
     def _warn(self, problem: str) -> None:
@@ -150,7 +210,7 @@ class RewardScorer:
         # A fresh interpreter, not fork (forking a process with torch's threads running can
         # deadlock the child) and not multiprocessing's spawn (it re-runs the user's main script).
         try:
-            payload = pickle.dumps(self.task.score)
+            payload = pickle.dumps((self.task.score, self.reward_range))
         except Exception as e:
             raise _NotPicklable(
                 f"task {type(self.task).__name__}: cannot be sent to a reward worker process "

@@ -33,7 +33,7 @@ from emapg.lm_head import response_summary
 from emapg.metrics import MetricsLog
 from emapg.models import load_model_and_tokenizer
 from emapg.policy_loss import aggregate, aggregation_total, ppo_clip
-from emapg.rewards import RewardScorer
+from emapg.rewards import RewardScorer, Scored
 from emapg.rollout import Rollout, RolloutEngine, SamplingParams, encode_prompts, eos_ids
 from emapg.rollout.multiturn import sample_examples
 from emapg.tasks import make_task
@@ -275,6 +275,20 @@ class PromptSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
+def reward_part_metrics(task: Task, scored, prefix: str = "", real: int | None = None) -> dict:
+    """reward/<name>/mean of each part the task's rewards carry (e.g. one per reward function):
+    the mean over the responses where that part has a value (NaN where none has)."""
+    names = tuple(task.reward_parts)
+    if not names:
+        return {}
+    kept = Scored(scored.rewards[:real], parts=scored.parts[:real])
+    sums = distributed.sum_all(*(x for pair in kept.part_sums(names) for x in pair))
+    return {
+        f"{prefix}reward/{name}/mean": sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else math.nan
+        for i, name in enumerate(names)
+    }
+
+
 def task_metrics(task: Task, texts: list[str], examples: list[Example], prefix: str = "") -> dict:
     """Figures a task reports beside the reward (e.g. search/calls_mean): means over the
     responses, so the global figure weighs each rank's by its number of responses."""
@@ -327,7 +341,8 @@ def evaluate(run: Run, step: int) -> tuple[float, dict]:
             for e, t, r in list(zip(mine, texts, rewards, strict=True))[:: max(1, n)][:SAMPLES_PER_EVAL]
         ])  # fmt: skip
     correct, total = distributed.sum_all(sum(rewards), real)
-    return correct / total, task_metrics(run.task, texts, mine, "eval/")
+    parts = reward_part_metrics(run.task, scored, "eval/", real)
+    return correct / total, {**parts, **task_metrics(run.task, texts, mine, "eval/")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,6 +357,7 @@ def load_policy(cfg: Config, task: Task, progress: bool):
     if path == "builtin:tiny":
         from emapg.sft import warm_start
 
+        task = task.warm_start_task()
         w = cfg.warmstart
         sft_kwargs = {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr, "seed": cfg.train.seed}
         with distributed.main_first():  # rank 0 builds the cached warm start, the others load it
@@ -605,6 +621,7 @@ def train_loop(run: Run) -> dict:
             "reward/mean": reward_sum / n,
             "reward/errors": int(errors),
             "reward/timeouts": int(timeouts),
+            **reward_part_metrics(run.task, scored),
             "train/skipped_steps": state.skipped_steps,
             **stats,
             "entropy": entropy_sum / max(tokens, 1.0),

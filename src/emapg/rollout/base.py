@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from emapg.tasks.base import ChatPrompt
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -135,14 +137,16 @@ def encode_prompts(
 ) -> list[list[int]]:
     """Token ids of each prompt as the model sees it before its response.
 
-    With a chat template (and `chat_template` True) a prompt is one user turn plus the
-    generation prompt, and the template writes its own special tokens (BOS included);
-    without one it is the plain text with the tokenizer's special tokens.
+    With a chat template (and `chat_template` True) a prompt is one user turn (a ChatPrompt: its
+    messages) plus the generation prompt, and the template writes its own special tokens (BOS
+    included); without one it is the plain text with the tokenizer's special tokens.
     """
     if chat_template and getattr(tokenizer, "chat_template", None):
         texts = [
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                list(p.messages) if isinstance(p, ChatPrompt) else [{"role": "user", "content": p}],
+                tokenize=False,
+                add_generation_prompt=True,
             )
             for p in prompts
         ]

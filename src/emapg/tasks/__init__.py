@@ -66,6 +66,13 @@ def _search(cfg) -> Task:
     return search.from_config(cfg)
 
 
+def _dataset(cfg) -> Task:
+    from emapg.tasks import dataset
+
+    return dataset.from_config(cfg)
+
+
 register_task("arithmetic", _arithmetic)
+register_task("dataset", _dataset)
 register_task("math", _math)
 register_task("search", _search)

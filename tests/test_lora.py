@@ -91,6 +91,7 @@ def test_ema_anchor_adapter_equals_the_formula(trained):
     assert not any(t.requires_grad for t in run.anchor.mine)
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's
 def test_saved_policy_is_the_merged_model_and_adapters_are_saved(trained, tiny_model_dir):
     from peft import PeftModel
 

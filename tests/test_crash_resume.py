@@ -40,8 +40,12 @@ cli.main(["train", *sys.argv[2:]])
 """
 
 
-def _train_args(model_dir, out):
-    return [f"model.path={model_dir}", f"train.output_dir={out}", *ARGS]
+# LoRA adapters; k1 because its sampled gradient moves them even where the random model earns nothing
+LORA = ("lora.r=4", "lora.lr=0.01", "kl.estimator=k1", "kl.beta=1.0")
+
+
+def _train_args(model_dir, out, extra=()):
+    return [f"model.path={model_dir}", f"train.output_dir={out}", *ARGS, *extra]
 
 
 def _read(out: Path):
@@ -54,27 +58,42 @@ def _read(out: Path):
 
 @pytest.fixture(scope="module")
 def straight(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight")
-    assert cli.main(["train", *_train_args(tiny_model_dir, out)]) == 0
-    return _read(out)
+    """The uninterrupted run of each set of extra arguments, run once."""
+    runs = {}
+
+    def get(extra):
+        if extra not in runs:
+            out = tmp_path_factory.mktemp("straight")
+            assert cli.main(["train", *_train_args(tiny_model_dir, out, extra)]) == 0
+            runs[extra] = _read(out)
+        return runs[extra]
+
+    return get
 
 
-@pytest.mark.parametrize("point", ["step", "checkpoint"])
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, straight, point):
+@pytest.mark.parametrize(
+    "point,extra", [("step", ()), ("checkpoint", ()), ("step", LORA)], ids=["step", "checkpoint", "step-lora"]
+)
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, straight, point, extra):
     env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1])}
     killed = subprocess.run(
-        [sys.executable, "-c", KILLER, point, *_train_args(tiny_model_dir, tmp_path)], env=env, timeout=120
+        [sys.executable, "-c", KILLER, point, *_train_args(tiny_model_dir, tmp_path, extra)],
+        env=env,
+        timeout=300,
     )
     assert killed.returncode == -signal.SIGKILL
     ckpts = tmp_path / "quickstart" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == ["step_2"]
     assert any(p.name.startswith(".tmp-step_4") for p in ckpts.iterdir()) == (point == "checkpoint")
 
-    assert cli.main(["train", "--resume", *_train_args(tiny_model_dir, tmp_path)]) == 0
+    assert cli.main(["train", "--resume", *_train_args(tiny_model_dir, tmp_path, extra)]) == 0
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]  # stale partial removed
     records, weights = _read(tmp_path)
-    want_records, want_weights = straight
+    want_records, want_weights = straight(extra)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # no torn or duplicated line
     assert records == want_records
     assert weights.keys() == want_weights.keys()
     assert all(torch.equal(weights[k], want_weights[k]) for k in weights)
+    if extra == LORA:  # the merged policy moved from the base: the adapters trained
+        base = load_model_and_tokenizer(tiny_model_dir)[0].state_dict()
+        assert any(not torch.equal(weights[k], base[k]) for k in weights)

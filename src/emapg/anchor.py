@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -34,6 +35,11 @@ class Anchor:
         self.eta, self.update_period = eta, update_period
         self.model = (copy.deepcopy(policy) if model is None else model).eval().requires_grad_(False)
         self.updates = 0
+
+    @contextmanager
+    def active(self):
+        """The model to run as the anchor (a LoRA anchor switches adapters here instead)."""
+        yield self.model
 
     @torch.no_grad()
     def step(self, policy: nn.Module, count: int) -> bool:

@@ -6,6 +6,11 @@ runs/<name>/checkpoints/step_N/
   optimizer.pt       optimiser and scheduler state (tensors and numbers only: weights_only load)
   rng.safetensors    torch CPU (and CUDA) generator states
   state.json         step, optimiser steps, anchor updates, data position, Python RNG
+With LoRA (lora.r > 0), policy/ holds the merged model (base + adapter) and there is no
+anchor.safetensors:
+  adapters/policy/   the policy adapter (peft format: adapter_model.safetensors + config)
+  adapters/anchor/   the EMA anchor's adapter (absent for a frozen anchor: the base itself)
+Resuming loads the adapters; the base comes from model.path, as in the run that wrote them.
 A directory named step_N is complete by construction; partial ones are `.tmp-*` and ignored.
 
 Written by several processes (torchrun, FSDP2), optimiser.pt and anchor.safetensors give way to
@@ -31,7 +36,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from emapg import distributed
+from emapg import distributed, lora
 from emapg.errors import EmapgError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -58,9 +63,12 @@ def save(
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory, prefix=f".tmp-step_{step}-"))
     try:
-        policy.save_pretrained(tmp / "policy", safe_serialization=True)
+        if lora.is_peft(policy):  # merged policy/, both adapters under adapters/
+            lora.save(policy, tmp, _tied_names(lora.unwrap(policy)))
+        else:
+            policy.save_pretrained(tmp / "policy", safe_serialization=True)
         tokenizer.save_pretrained(tmp / "policy")
-        if anchor is not None:
+        if anchor is not None and not lora.is_peft(policy):
             save_model(anchor.model, str(tmp / "anchor.safetensors"))
         torch.save(
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt"
@@ -175,10 +183,13 @@ def _load(path: Path, *, policy, anchor, optimizer, scheduler) -> dict:
     if sharded:
         _load_sharded(path, policy=policy, anchor=anchor, optimizer=optimizer, scheduler=scheduler)
         return _read_state(path)
-    missing, unexpected = load_model(policy, str(path / "policy" / "model.safetensors"), strict=False)
-    if unexpected or [m for m in missing if m not in _tied_names(policy)]:
-        raise RuntimeError(f"checkpoint {path}: policy weights do not match the model")
-    if anchor is not None:
+    if lora.is_peft(policy):
+        lora.load(policy, path)  # the policy and anchor adapters
+    else:
+        missing, unexpected = load_model(policy, str(path / "policy" / "model.safetensors"), strict=False)
+        if unexpected or [m for m in missing if m not in _tied_names(policy)]:
+            raise RuntimeError(f"checkpoint {path}: policy weights do not match the model")
+    if anchor is not None and not lora.is_peft(policy):
         load_model(anchor.model, str(path / "anchor.safetensors"))
     states = torch.load(path / "optimizer.pt", weights_only=True)
     optimizer.load_state_dict(states["optimizer"])

@@ -186,6 +186,20 @@ class AnchorConfig:
     )
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    r: int = _f(0, "LoRA rank; 0 trains every weight. > 0 needs peft (pip install 'emapg[lora]')")
+    alpha: float = _f(32.0, "LoRA scale numerator: the adapter adds (alpha / r) * B @ A to each weight")
+    dropout: float = _f(0.0, "dropout on the adapter's input while training (0: log-probs match sampling)")
+    target_modules: list = _f(
+        LORA_TARGETS, "modules that get adapters (Llama/Qwen names); [all-linear]: every linear but the head"
+    )
+    lr: float = _f(2e-3, "AdamW learning rate when lora.r > 0 (in place of optim.lr)")
+
+
 @dataclass
 class TrainConfig:
     name: str = _f("quickstart", "run name: outputs go to <output_dir>/<name>")
@@ -250,6 +264,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
@@ -360,6 +375,22 @@ def _check_engine(cfg: Config) -> None:
     )
 
 
+def _check_lora(cfg: Config) -> None:
+    lo = cfg.lora
+    _check(lo.r >= 0, f"lora.r must be >= 0 (0: no LoRA); got {lo.r}")
+    _check(lo.alpha > 0, f"lora.alpha must be > 0; got {lo.alpha}")
+    _check(0 <= lo.dropout < 1, f"lora.dropout must be in [0, 1); got {lo.dropout}")
+    _check(
+        bool(lo.target_modules) and all(isinstance(m, str) and m for m in lo.target_modules),
+        f"lora.target_modules must be a non-empty list of module names; got {lo.target_modules!r:.80}",
+    )
+    _check(lo.lr > 0, f"lora.lr must be > 0; got {lo.lr}")
+    _check(
+        lo.r == 0 or cfg.rollout.engine == "hf",
+        "lora.r > 0 with rollout.engine=vllm is not supported yet (the engine takes full weights); use hf",
+    )
+
+
 def _numbers(values: list) -> bool:
     return all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)
 
@@ -439,6 +470,7 @@ def validate(cfg: Config) -> None:
         (cfg.anchor.kind == "none") == (cfg.kl.beta == 0),
         "anchor.kind=none goes with kl.beta=0 and only then (a KL needs an anchor)",
     )
+    _check_lora(cfg)
     _check(0 <= cfg.warmstart.target_accuracy <= 1, "warmstart.target_accuracy must be in [0, 1]")
     _check(cfg.train.steps >= 0, "train.steps must be >= 0")
     _check(
@@ -505,6 +537,11 @@ def validate_world(cfg: Config, world: int) -> None:
         f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the {world} "
         "processes (each rank takes whole groups)",
     )
+    _check(
+        cfg.lora.r == 0,
+        f"lora.r={cfg.lora.r}: LoRA runs in one process (FSDP2 sharding of peft adapters is not supported); "
+        f"torchrun started {world}",
+    )
 
 
 def to_dict(cfg: Config) -> dict:
@@ -533,6 +570,7 @@ SECTION_INTROS = {
     "algo": "The policy-gradient algorithm: advantages, PPO clipping, epochs and batching.",
     "kl": "The KL regulariser: its coefficient, estimator, direction and top-k set size.",
     "anchor": "The KL anchor: frozen reference or an EMA of the policy.",
+    "lora": "LoRA (through peft): adapters instead of every weight; the anchor is an adapter too (docs/training.md).",
     "train": "The run: name, length, evaluation and checkpoint cadence, logging and device.",
     "eval": "Held-out evaluation during training (eval/accuracy).",
     "retriever": "The search task: retriever, corpus, data and episode limits.",

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from emapg import topk
+from emapg.lora import unwrap
 from emapg.rollout import Rollout
 
 # Config fields that change the logits in a way the fused head does not reproduce (muP-style
@@ -138,6 +139,7 @@ def final_hidden(model: nn.Module, **inputs) -> tuple[Tensor, Head] | None:
     when the model has no exact head (`head_of`), or when, at the model's first fused pass,
     the head does not reproduce the logits it returned: callers then use full logits.
     """
+    model = unwrap(model)
     if head_of(model) is None:
         return None
     caught = []
@@ -167,8 +169,10 @@ def response_summary(
 ) -> topk.Summary:
     """Summary of the model's tempered distribution at every response position, at `ids` [N, L, m].
 
-    The hidden state at column P + t - 1 predicts response token t.
+    The hidden state at column P + t - 1 predicts response token t. A peft model runs as its
+    transformers model (its LoRA layers are in it), so its fused head is found the same way.
     """
+    model = unwrap(model)
     mask = batch.attention_mask
     inputs = {
         "input_ids": batch.sequences,

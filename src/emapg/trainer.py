@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, distributed, kl
+from emapg import checkpoint, distributed, kl, lora
 from emapg.advantages import group_advantages
 from emapg.anchor import Anchor
 from emapg.config import Config, to_dict, validate_world
@@ -30,6 +30,7 @@ from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
 from emapg.guards import step_is_finite
 from emapg.lm_head import response_summary
+from emapg.lora import AdapterAnchor
 from emapg.metrics import MetricsLog
 from emapg.models import load_model_and_tokenizer
 from emapg.policy_loss import aggregate, aggregation_total, ppo_clip
@@ -88,7 +89,7 @@ def micro_batches(cfg: Config, batch: Rollout, rows: Tensor) -> list[Tensor | No
 
 
 @torch.no_grad()
-def anchor_pass(cfg: Config, anchor: Anchor, batch: Rollout, vocab: int) -> AnchorView:
+def anchor_pass(cfg: Config, anchor: Anchor | AdapterAnchor, batch: Rollout, vocab: int) -> AnchorView:
     tokens = batch.responses.unsqueeze(-1)
     head_ids = _head_ids(cfg, batch, vocab)
     width = batch.response_mask.shape[1]
@@ -98,27 +99,31 @@ def anchor_pass(cfg: Config, anchor: Anchor, batch: Rollout, vocab: int) -> Anch
         torch.zeros(n, width, k, dtype=torch.long, device=device), torch.zeros(n, width, device=device),
         torch.zeros(n, width, k, device=device),
     )  # fmt: skip
-    for rows in micro_batches(cfg, batch, torch.arange(n)):
-        idx = torch.arange(1) if rows is None else rows  # None: a padding pass, its result dropped
-        part = batch.select(idx).trimmed()
-        w = part.response_mask.shape[1]
-        if head_ids is None:  # forward top-k: q is the anchor's own top-k
-            s = response_summary(
-                anchor.model, part, tokens[idx, :w], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
-            )
-            ids, logp, head_logp = s.topk_ids, s.logp()[..., 0], s.topk_logp
-        else:
-            ids = head_ids[idx, :w]
-            logp = response_summary(
-                anchor.model, part, torch.cat([tokens[idx, :w], ids], -1), temperature=cfg.rollout.temperature
-            ).logp()
-            logp, head_logp = logp[..., 0], logp[..., 1:]
-        if rows is not None:
-            view.head_ids[rows, :w], view.ref_logp[rows, :w], view.ref_head_logp[rows, :w] = (
-                ids,
-                logp,
-                head_logp,
-            )
+    with anchor.active() as ref_model:  # LoRA: the anchor adapter (or none) is active meanwhile
+        for rows in micro_batches(cfg, batch, torch.arange(n)):
+            idx = torch.arange(1) if rows is None else rows  # None: a padding pass, its result dropped
+            part = batch.select(idx).trimmed()
+            w = part.response_mask.shape[1]
+            if head_ids is None:  # forward top-k: q is the anchor's own top-k
+                s = response_summary(
+                    ref_model, part, tokens[idx, :w], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
+                )
+                ids, logp, head_logp = s.topk_ids, s.logp()[..., 0], s.topk_logp
+            else:
+                ids = head_ids[idx, :w]
+                logp = response_summary(
+                    ref_model,
+                    part,
+                    torch.cat([tokens[idx, :w], ids], -1),
+                    temperature=cfg.rollout.temperature,
+                ).logp()
+                logp, head_logp = logp[..., 0], logp[..., 1:]
+            if rows is not None:
+                view.head_ids[rows, :w], view.ref_logp[rows, :w], view.ref_head_logp[rows, :w] = (
+                    ids,
+                    logp,
+                    head_logp,
+                )
     return view
 
 
@@ -441,7 +446,7 @@ class Run:
     vocab: int
     engine: RolloutEngine
     scorer: RewardScorer
-    anchor: Anchor | None
+    anchor: Anchor | AdapterAnchor | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
@@ -482,6 +487,19 @@ class Run:
         self.engine.close()
 
 
+def make_anchor(cfg: Config, model: nn.Module) -> Anchor | AdapterAnchor | None:
+    """No anchor model at all without a KL; an EMA with eta = 1 is the frozen reference. With
+    LoRA the anchor is an adapter of the policy's own model (or its base): no copy of the base."""
+    if cfg.anchor.kind == "none":
+        return None
+    eta = 1.0 if cfg.anchor.kind == "frozen" else cfg.anchor.eta
+    if cfg.lora.r:
+        return AdapterAnchor(model, eta, cfg.anchor.update_period)
+    anchor = Anchor(model, eta, cfg.anchor.update_period)
+    distributed.shard(anchor.model)
+    return anchor
+
+
 def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     """Task, policy, engine, anchor, optimiser, data and log, restored from the last
     checkpoint when resuming. Every check that can fail runs before any training."""
@@ -495,6 +513,8 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     last = checkpoint.list_checkpoints(ckpt_dir)[-1:] if resume else []
     if resume and not last:
         raise EmapgError(f"--resume: no complete checkpoint under {ckpt_dir}")
+    if cfg.lora.r:
+        lora.require_peft(cfg.lora.r)  # before the warm start
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
 
@@ -506,18 +526,18 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     model, tokenizer, model_dir = load_policy(cfg, task, cfg.train.progress and distributed.is_main())
     check_context(cfg, model, tokenizer, train_examples + eval_examples, task)
     engine = make_engine(cfg, model, tokenizer, model_dir)  # a missing vLLM stops here, before training
+    if cfg.lora.r:  # the base is frozen; the engine's model carries the adapters from here on
+        model = lora.wrap(model, cfg.lora)
     model.to(device).train()
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # No anchor model at all without a KL; an EMA with eta = 1 is the frozen reference.
-    anchor = None
-    if cfg.anchor.kind != "none":
-        eta = 1.0 if cfg.anchor.kind == "frozen" else cfg.anchor.eta
-        anchor = Anchor(model, eta, cfg.anchor.update_period)
-        distributed.shard(anchor.model)
+    anchor = make_anchor(cfg, model)
     distributed.shard(model)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+        [p for p in model.parameters() if p.requires_grad],  # with LoRA: the policy adapter alone
+        lr=cfg.lora.lr if cfg.lora.r else cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
     )
     optimizer_steps = cfg.train.steps * cfg.algo.epochs * cfg.algo.minibatches
     warmup = max(

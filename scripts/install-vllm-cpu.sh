@@ -36,7 +36,7 @@ for d in deps:
         print(d)
 EOF
 )
-"${PIP[@]}" install -q -c "$pins" "${deps[@]}" "pytest>=8" "hypothesis>=6"
+"${PIP[@]}" install -q -c "$pins" "${deps[@]}" "pytest>=8" "hypothesis>=6" "peft>=0.13"  # peft: the LoRA push test
 
 "$VENV/bin/python" - <<'EOF'
 import torch, transformers, vllm

@@ -266,6 +266,27 @@ def test_log_probs_and_top_k_equal_the_hf_policy_before_and_after_training(engin
     synced(engine, base)
 
 
+def test_a_lora_policy_is_pushed_merged_and_the_engine_follows_it(engine, tiny):
+    """With LoRA the engine gets W + scale * B @ A under the base names: its log-probs are the
+    adapted policy's, while the live model's base weights stay as they were."""
+    pytest.importorskip("peft")
+    from emapg import lora
+    from emapg.config import load_config
+
+    base, tok, _ = tiny
+    policy = lora.wrap(copy.deepcopy(base), load_config(None, ["lora.r=4"]).lora)
+    with torch.no_grad():
+        for name, p in lora.adapter_params(policy, lora.POLICY).items():
+            if ".lora_B." in name:  # peft starts B at 0 (no change); give the adapter an effect
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.5)
+    policy.eval()
+    synced(engine, policy)
+    out = engine.sample(prompts(tok), SamplingParams(max_new_tokens=12, temperature=T, topk=K, seed=5))
+    assert_matches_hf(policy, out)
+    assert not torch.allclose(hf_logp(policy, out), hf_logp(base, out), atol=1e-3)  # the adapter matters
+    synced(engine, base)
+
+
 def test_a_sync_of_perturbed_weights_changes_the_samples(engine, tiny):
     base, tok, _ = tiny
     synced(engine, base)

@@ -385,10 +385,6 @@ def _check_lora(cfg: Config) -> None:
         f"lora.target_modules must be a non-empty list of module names; got {lo.target_modules!r:.80}",
     )
     _check(lo.lr > 0, f"lora.lr must be > 0; got {lo.lr}")
-    _check(
-        lo.r == 0 or cfg.rollout.engine == "hf",
-        "lora.r > 0 with rollout.engine=vllm is not supported yet (the engine takes full weights); use hf",
-    )
 
 
 def _numbers(values: list) -> bool:

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
+from emapg import lora
 from emapg.errors import EmapgError
 from emapg.rollout.base import Rollout, SamplingParams, left_pad
 
@@ -148,7 +149,13 @@ def weights_to_push(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str,
     `named_parameters` yields a tied parameter once, under its first name (embed_tokens for a
     tied lm_head): vLLM's model shares that tensor between its embedding and its head, so
     loading embed_tokens updates both. An untied lm_head has its own name and is pushed too.
+    A LoRA policy (peft) is pushed merged, W + scale * B @ A, under the base model's names: the
+    engine samples from exactly the policy without knowing about adapters.
     """
+    if lora.is_peft(model):
+        for name, tensor in lora.merged_state_dict(model).items():
+            yield name, tensor.detach().to(dtype)
+        return
     for name, param in model.named_parameters():
         yield name, param.detach().to(dtype)
 

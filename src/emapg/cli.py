@@ -70,9 +70,11 @@ def _serve_retriever(args) -> None:
 
     if not 0 <= args.port <= 65535:
         raise EmapgError(f"--port {args.port}: expected 0..65535")
+    if args.max_queries < 1:
+        raise EmapgError(f"--max-queries {args.max_queries}: expected >= 1")
     retriever = BM25Retriever(args.corpus)
     try:
-        server = make_server(retriever, args.host, args.port)
+        server = make_server(retriever, args.host, args.port, args.max_queries)
     except OSError as e:
         raise EmapgError(
             f"serve-retriever: cannot listen on {args.host}:{args.port} ({e.strerror})"
@@ -89,6 +91,7 @@ def _serve_retriever(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from emapg.config import help_text
+    from emapg.search.server import MAX_QUERIES
 
     parser = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--corpus", required=True, help="jsonl with id and contents (first line: the title)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    srv.add_argument(
+        "--max-queries",
+        type=int,
+        default=MAX_QUERIES,
+        help=f"most queries per request; more get HTTP 413 (default {MAX_QUERIES})",
+    )
     srv.set_defaults(func=_serve_retriever)
     return parser
 

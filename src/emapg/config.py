@@ -226,6 +226,11 @@ class RetrieverConfig:
         "", "search: jsonl corpus (id, contents = title line + text); empty: the built-in world's"
     )
     url: str = _f("", "search: a Search-R1 retrieval server (http://host:port/retrieve) instead of BM25")
+    max_queries_per_request: int = _f(
+        512,
+        "search: most queries per POST to retriever.url; bigger batches are split into several "
+        "requests (emapg serve-retriever accepts 4096 by default: --max-queries)",
+    )
     topk: int = _f(3, "search: passages returned per query")
     max_turns: int = _f(
         4, "search: rounds with the environment (search or invalid-action message), then one final turn"
@@ -480,6 +485,7 @@ def validate(cfg: Config) -> None:
     r = cfg.retriever
     _check(r.topk >= 1 and r.max_turns >= 1, "retriever.topk and retriever.max_turns must be >= 1")
     _check(0 <= r.format_reward < 1, "retriever.format_reward must be in [0, 1)")
+    _check(r.max_queries_per_request >= 1, "retriever.max_queries_per_request must be >= 1")
     _check(
         r.max_observation_tokens >= 1 and r.max_context >= 1,
         "retriever.max_observation_tokens and retriever.max_context must be >= 1",

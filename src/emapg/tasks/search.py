@@ -176,7 +176,7 @@ def from_config(cfg) -> SearchTask:
     if r.train_file:
         train, eval = load_parquet(r.train_file), load_parquet(r.eval_file)
         return SearchTask(
-            make_retriever(r.corpus, r.url), train[: t.num_train], eval[: t.num_eval], topk=r.topk,
+            make_retriever(r.corpus, r.url, r.max_queries_per_request), train[: t.num_train], eval[: t.num_eval], topk=r.topk,
             max_turns=r.max_turns, format_reward=r.format_reward, instruction=INSTRUCTION,
             max_observation_tokens=r.max_observation_tokens, max_context=r.max_context,
         )  # fmt: skip
@@ -191,7 +191,7 @@ def from_config(cfg) -> SearchTask:
     )
     corpus = synthetic.write_corpus(world, where / "corpus.jsonl")
     return SearchTask(
-        make_retriever(str(corpus), r.url), rows[t.num_eval :][: t.num_train], rows[: t.num_eval],
+        make_retriever(str(corpus), r.url, r.max_queries_per_request), rows[t.num_eval :][: t.num_train], rows[: t.num_eval],
         topk=r.topk, max_turns=r.max_turns, format_reward=r.format_reward, world=world,
         max_observation_tokens=r.max_observation_tokens, max_context=r.max_context,
     )  # fmt: skip

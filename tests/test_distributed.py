@@ -158,7 +158,6 @@ def test_sharded_checkpoint_does_not_resume_in_one_process(model_dir, two, capsy
     "section,key,value,message",
     [
         ("rollout", "prompts_per_step", 3, "rollout.prompts_per_step=3 must be divisible by the 2 processes"),
-        ("task", "name", "search", "task.name=search runs in one process"),
         ("rollout", "engine", "vllm", "rollout.engine=vllm runs in one process; torchrun started 2"),
     ],
 )
@@ -169,3 +168,49 @@ def test_what_multi_process_training_cannot_do_stops_with_one_line(section, key,
     with pytest.raises(EmapgError) as raised:
         validate_world(cfg, 2)
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+SEARCH = ["task.name=search", "retriever.world_people=10", "task.num_train=16", "task.num_eval=4",
+          "retriever.max_turns=2", "retriever.max_observation_tokens=20", "rollout.max_new_tokens=5",
+          "retriever.max_context=80"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def search_model_dir(tmp_path_factory):
+    """A random tiny Llama whose tokenizer has the search tags' characters."""
+    from emapg.tasks.search import SearchTask
+
+    tokenizer = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    model = build_tiny_model(
+        tokenizer, hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=128
+    )
+    path = tmp_path_factory.mktemp("search-model")
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_search_in_two_processes_equals_one_process(search_model_dir, tmp_path):
+    """Multi-turn episodes end after different numbers of turns (prompts of 22 and 34 characters
+    under an 80-token context cap, EOS): a rank whose episodes are all done runs padding turns
+    while the other goes on, and the run equals one process on the same global batch."""
+    # The random model earns no reward: k1's sampled gradient (non-zero where policy and anchor
+    # agree) gives every step a real update to compare, where noise amplified by Adam would not.
+    extra = [
+        *SEARCH,
+        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        "train.steps=2",
+        "kl.beta=1.0",
+        "kl.estimator=k1",
+    ]
+    _torchrun(2, *_args(search_model_dir, tmp_path / "two", *extra))
+    assert cli.main(["train", *_args(search_model_dir, tmp_path / "one", *extra)]) == 0
+    one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
+    assert [r["step"] for r in two] == [0, 1, 2] and one[-1]["search/calls_mean"] >= 0
+    for a, b in zip(one, two, strict=True):
+        assert a.keys() == b.keys()
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    # Adam's steps of lr 1e-2 on k1's small gradients turn float rounding into ~1e-5 differences.
+    for name, a in _policy(tmp_path / "one", 2).items():
+        b = _policy(tmp_path / "two", 2)[name]
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (name, float((a - b).abs().max()))

@@ -118,7 +118,7 @@ class RolloutConfig:
     temperature: float = _f(1.0, "sampling temperature; the policy is softmax(logits / temperature)")
     top_p: float = _f(1.0, "nucleus sampling; < 1 samples from a truncated policy (see rollout/hf.py)")
     stop: list = _f([], "stop strings that end a response (besides EOS)")
-    batch_size: int = _f(256, "sequences per generate call")
+    batch_size: int = _f(256, "sequences per generate call (training and evaluation)")
     engine: str = _f("hf", "hf (transformers generate) or vllm (colocated vLLM, see docs/vllm.md)", ENGINES)
     vllm_gpu_memory_utilization: float = _f(
         0.3, "share of GPU memory vLLM may take (engine=vllm); on CPU the share of RAM for its KV cache"
@@ -256,7 +256,6 @@ class EvalConfig:
     samples: int = _f(4, "sampled responses per held-out problem; eval/accuracy is their mean (pass@1)")
     temperature: float = _f(1.0, "sampling temperature of evaluation (its own, not the rollout's)")
     top_p: float = _f(1.0, "nucleus sampling of evaluation")
-    batch_size: int = _f(256, "sequences per generate call during evaluation")
 
 
 @dataclass
@@ -529,10 +528,6 @@ def validate_world(cfg: Config, world: int) -> None:
     _check(
         cfg.rollout.engine == "hf",
         f"rollout.engine=vllm runs in one process; torchrun started {world}: use rollout.engine=hf",
-    )
-    _check(
-        cfg.task.name != "search",
-        f"task.name=search runs in one process (its turns differ per rank); torchrun started {world}",
     )
     _check(
         cfg.rollout.prompts_per_step % world == 0,

@@ -83,6 +83,15 @@ def max_one(value: int) -> int:
     return int(t.item())
 
 
+def union(names) -> list[str]:
+    """The sorted union of every rank's `names` (e.g. metric keys that depend on a rank's data)."""
+    if not dist.is_initialized():
+        return sorted(names)
+    every = [None] * world()
+    dist.all_gather_object(every, sorted(names))
+    return sorted(set().union(*every))
+
+
 def broadcast(obj):
     """Rank 0's `obj` on every rank."""
     if not dist.is_initialized():

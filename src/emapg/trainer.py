@@ -296,10 +296,14 @@ def reward_part_metrics(task: Task, scored, prefix: str = "", real: int | None =
 
 def task_metrics(task: Task, texts: list[str], examples: list[Example], prefix: str = "") -> dict:
     """Figures a task reports beside the reward (e.g. search/calls_mean): means over the
-    responses, so the global figure weighs each rank's by its number of responses."""
+    responses, so the global figure weighs each rank's by its number of responses. A figure
+    only some ranks have (their data has its kind) is the mean over those ranks."""
     found = task.metrics(texts, examples)
-    *sums, n = distributed.sum_all(*(v * len(texts) for v in found.values()), len(texts))
-    return {prefix + k: v / n for k, v in zip(found, sums, strict=True)}
+    keys, n = distributed.union(found), len(texts)
+    totals = distributed.sum_all(*(found.get(k, 0.0) * n for k in keys), *(n * (k in found) for k in keys))
+    return {
+        prefix + k: s / w for k, s, w in zip(keys, totals[: len(keys)], totals[len(keys) :], strict=True) if w
+    }
 
 
 def rollout_params(cfg: Config, topk: int) -> SamplingParams:

@@ -178,7 +178,14 @@ class HFEngine:
         was_training = model.training
         model.eval()
         parts = []
-        for a in range(0, prompt_ids.shape[0], self.batch_size):
+        starts = range(0, prompt_ids.shape[0], self.batch_size)
+        # Under torchrun (FSDP) every rank must run as many generate calls as the busiest one.
+        for _ in range(distributed.max_one(len(starts)) - len(starts)):
+            model.generate(
+                input_ids=prompt_ids[:1], attention_mask=prompt_mask[:1], generation_config=config,
+                max_new_tokens=1, synced_gpus=True,
+            )  # fmt: skip
+        for a in starts:
             ids, mask = prompt_ids[a : a + self.batch_size], prompt_mask[a : a + self.batch_size]
             recorder = _SamplingRecorder(params.temperature, params.topk)
             processors = [recorder]

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from emapg import distributed
 from emapg.rollout.base import Rollout, RolloutEngine, SamplingParams, encode_prompts, left_pad
 
 
@@ -110,7 +111,12 @@ def run_episodes(
         return min(context, response)
 
     active = [i for i in range(len(prompts)) if room(i) > 0]
-    while active:
+    # Under torchrun every rank runs a turn while any rank has an episode left (FSDP's forward
+    # passes are collective): a rank with none left runs a padding turn of one token.
+    while distributed.max_one(len(active)) > 0:
+        if not active:
+            engine.sample([list(prompt_ids[0])], replace(turn_params, max_new_tokens=1), rows=[rows[0]])
+            continue
         budget = [int(min(params.max_new_tokens, room(i))) for i in active]
         out = engine.sample(
             [list(prompt_ids[i]) + episodes[i].ids for i in active],

@@ -522,7 +522,8 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
 
-    task = make_task(cfg)
+    with distributed.main_first():  # rank 0 writes what a task caches (a corpus, its index) first
+        task = make_task(cfg)
     train_examples, eval_examples = task.train_examples(), task.eval_examples()
     if not eval_examples:
         raise EmapgError(f"task {task.name!r} has no evaluation examples")

@@ -16,7 +16,7 @@ the sampling distribution). The trainer builds one engine per run and owns it:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -86,6 +86,61 @@ class Rollout:
             texts=self.texts,
             truncated=self.truncated,
         )
+
+
+@dataclass
+class ResponseRow:
+    """One response as per-token lists, before padding into a Rollout (an engine's output or a
+    multi-turn episode, whose environment-inserted tokens have sampled False)."""
+
+    ids: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)  # True: written by the policy
+    logp: list[float] = field(default_factory=list)  # sampling log-prob (0 where not sampled)
+    topk: list[list[int]] = field(default_factory=list)  # top-k ids per token (zeros where not sampled)
+    entropy: list[float] = field(default_factory=list)
+    truncated: bool = False  # cut at the length limit, without EOS or a stop string
+
+    def add(self, ids, sampled: bool, logp, topk, entropy) -> None:
+        self.ids += ids
+        self.sampled += [sampled] * len(ids)
+        self.logp += logp
+        self.topk += topk
+        self.entropy += entropy
+
+
+def rollout_from_rows(
+    rows: Sequence[ResponseRow], prompt_ids: Sequence[Sequence[int]], tokenizer, k: int
+) -> Rollout:
+    """Left-padded prompts and right-padded responses as one Rollout (CPU tensors). Every token of
+    a response is attended to; only sampled ones are in response_mask."""
+    prompts, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
+    n, width = len(rows), max((len(r.ids) for r in rows), default=0)
+    responses = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
+    real = torch.zeros(n, width, dtype=torch.bool)
+    response_mask = torch.zeros(n, width, dtype=torch.bool)
+    logp, entropy = torch.zeros(n, width), torch.zeros(n, width)
+    topk_ids = torch.zeros(n, width, k, dtype=torch.long)
+    for i, r in enumerate(rows):
+        m = len(r.ids)
+        if m:
+            responses[i, :m], real[i, :m], response_mask[i, :m] = (
+                torch.tensor(r.ids),
+                True,
+                torch.tensor(r.sampled),
+            )
+            logp[i, :m], entropy[i, :m] = torch.tensor(r.logp), torch.tensor(r.entropy)
+            topk_ids[i, :m] = torch.tensor(r.topk, dtype=torch.long).view(m, k)
+    return Rollout(
+        sequences=torch.cat([prompts, responses], 1),
+        attention_mask=torch.cat([prompt_mask, real.long()], 1),
+        prompt_len=prompts.shape[1],
+        response_mask=response_mask,
+        sampling_logp=logp,
+        topk_ids=topk_ids,
+        entropy=entropy,
+        texts=[tokenizer.decode(r.ids, skip_special_tokens=True) for r in rows],
+        truncated=torch.tensor([r.truncated for r in rows], dtype=torch.bool),
+    )
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,21 @@ response capped at `max_response_tokens`. An environment may carry `max_observat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from emapg import distributed
-from emapg.rollout.base import Rollout, RolloutEngine, SamplingParams, encode_prompts, left_pad
+from emapg.rollout.base import (
+    ResponseRow,
+    Rollout,
+    RolloutEngine,
+    SamplingParams,
+    encode_prompts,
+    rollout_from_rows,
+)
 
 
 @runtime_checkable
@@ -45,25 +51,6 @@ class Environment(Protocol):
     def step(self, episodes: Sequence[int], turns: Sequence[str]) -> list[str | None]:
         """The model's latest turn of each listed episode -> text to insert, or None: done."""
         ...
-
-
-@dataclass
-class _Episode:
-    """One episode's response so far, as parallel per-token lists."""
-
-    ids: list[int] = field(default_factory=list)
-    sampled: list[bool] = field(default_factory=list)  # True: written by the model
-    logp: list[float] = field(default_factory=list)
-    topk: list[Tensor] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)
-    truncated: bool = False  # ended by the token budget, not by EOS or the environment
-
-    def add(self, ids: list[int], sampled: bool, logp: list[float], topk, entropy: list[float]) -> None:
-        self.ids += ids
-        self.sampled += [sampled] * len(ids)
-        self.logp += logp
-        self.topk += list(topk)
-        self.entropy += entropy
 
 
 @torch.no_grad()
@@ -97,7 +84,7 @@ def run_episodes(
     """
     rows = list(range(len(prompts))) if rows is None else list(rows)
     env.reset(prompts)
-    episodes = [_Episode() for _ in prompts]
+    episodes = [ResponseRow() for _ in prompts]
     turn_params = replace(params, stop=(*env.stop, *params.stop))
     eos = set(eos)
     k = params.topk
@@ -128,7 +115,7 @@ def run_episodes(
             n = min(int(out.response_mask[row].sum()), limit)  # a turn may not outrun its own limit
             new = out.responses[row, :n].tolist()
             episodes[i].add(
-                new, True, out.sampling_logp[row, :n].tolist(), out.topk_ids[row, :n].cpu(),
+                new, True, out.sampling_logp[row, :n].tolist(), out.topk_ids[row, :n].tolist(),
                 out.entropy[row, :n].tolist(),
             )  # fmt: skip
             ended = bool(new) and new[-1] in eos
@@ -147,44 +134,13 @@ def run_episodes(
             left = room(i)
             inserted = inserted if left == inf else inserted[: int(left)]
             episodes[i].add(
-                inserted, False, [0.0] * len(inserted), torch.zeros(len(inserted), k, dtype=torch.long),
-                [0.0] * len(inserted),
-            )  # fmt: skip
+                inserted, False, [0.0] * len(inserted), [[0] * k] * len(inserted), [0.0] * len(inserted)
+            )
             if room(i) > 0:
                 active.append(i)
             else:
                 episodes[i].truncated = True
-    return _to_rollout(tokenizer, prompt_ids, episodes, k)
-
-
-def _to_rollout(tokenizer, prompt_ids: Sequence[Sequence[int]], episodes: list[_Episode], k: int) -> Rollout:
-    prompts, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
-    n, width = len(episodes), max(1, max(len(e.ids) for e in episodes))
-    responses = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
-    real = torch.zeros(n, width, dtype=torch.bool)
-    response_mask = torch.zeros(n, width, dtype=torch.bool)
-    logp, entropy = torch.zeros(n, width), torch.zeros(n, width)
-    topk_ids = torch.zeros(n, width, k, dtype=torch.long)
-    for i, e in enumerate(episodes):
-        m = len(e.ids)
-        if not m:
-            continue
-        responses[i, :m] = torch.tensor(e.ids)
-        real[i, :m] = True
-        response_mask[i, :m] = torch.tensor(e.sampled)
-        logp[i, :m], entropy[i, :m] = torch.tensor(e.logp), torch.tensor(e.entropy)
-        topk_ids[i, :m] = torch.stack(e.topk)
-    return Rollout(
-        sequences=torch.cat([prompts, responses], 1),
-        attention_mask=torch.cat([prompt_mask, real.long()], 1),
-        prompt_len=prompts.shape[1],
-        response_mask=response_mask,
-        sampling_logp=logp,
-        topk_ids=topk_ids,
-        entropy=entropy,
-        texts=[tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes],
-        truncated=torch.tensor([e.truncated for e in episodes]),
-    )
+    return rollout_from_rows(episodes, prompt_ids, tokenizer, k)
 
 
 def sample_examples(

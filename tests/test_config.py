@@ -119,3 +119,8 @@ def test_help_lists_every_field_with_default():
         [sys.executable, "-m", "emapg", "train", "--help"], capture_output=True, text=True, check=True
     )
     assert "train.steps = " in out.stdout and "rollout.group_size = 8" in out.stdout
+
+
+def test_a_renamed_value_suggests_its_new_name():
+    with pytest.raises(EmapgError, match=r"unknown 'seq_mean' \(did you mean 'seq_mean_token_mean'\?\)"):
+        load_config(None, ["algo.loss_aggregation=seq_mean"])

@@ -278,7 +278,10 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 def _suggest(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
+    """The option that extends `name` (a renamed value: seq_mean -> seq_mean_token_mean), else the
+    closest spelling, as a hint."""
+    longer = [o for o in options if str(o).startswith(name)] if name else []
+    close = longer or difflib.get_close_matches(name, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

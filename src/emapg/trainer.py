@@ -52,8 +52,11 @@ class AnchorView:
     ref_logp: Tensor  # [N, L]
     ref_head_logp: Tensor  # [N, L, k]
 
-    def select(self, rows: Tensor) -> AnchorView:
-        return AnchorView(self.head_ids[rows], self.ref_logp[rows], self.ref_head_logp[rows])
+    def select(self, rows: Tensor, width: int) -> AnchorView:
+        """The rows `rows`, response columns up to `width` (a trimmed micro-batch's)."""
+        return AnchorView(
+            self.head_ids[rows, :width], self.ref_logp[rows, :width], self.ref_head_logp[rows, :width]
+        )
 
 
 def _head_ids(cfg: Config, batch: Rollout, vocab: int) -> Tensor | None:
@@ -217,7 +220,7 @@ def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None,
                 part = batch.select(rows).trimmed()
                 w = part.response_mask.shape[1]
                 mask = loss_mask[rows, :w]
-                part_ref = None if ref is None else AnchorView(*(t[rows, :w] for t in vars(ref).values()))
+                part_ref = None if ref is None else ref.select(rows, w)
                 pg, kl_tok, clipped = token_losses(cfg, model, part, advantages[rows], part_ref)
                 loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
                 loss = weight * aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total)

@@ -64,14 +64,6 @@ def _parse_line(line: bytes, path, n) -> dict:
     return {"id": str(doc["id"]), "contents": doc["contents"]}
 
 
-def load_corpus(path: str | Path) -> list[dict]:
-    """All documents of a (small) jsonl corpus in memory; BM25Retriever streams instead."""
-    docs = [doc for _, _, doc in iter_corpus(path)]
-    if not docs:
-        raise EmapgError(f"retriever corpus {str(Path(path).expanduser())!r} has no documents")
-    return docs
-
-
 def _tokenize(texts: list[str]):
     import bm25s
 

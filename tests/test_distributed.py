@@ -158,7 +158,7 @@ def test_sharded_checkpoint_does_not_resume_in_one_process(model_dir, two, capsy
     "section,key,value,message",
     [
         ("rollout", "prompts_per_step", 3, "rollout.prompts_per_step=3 must be divisible by the 2 processes"),
-        ("rollout", "engine", "vllm", "rollout.engine=vllm runs in one process; torchrun started 2"),
+        ("lora", "r", 8, "lora.r=8: LoRA runs in one process"),
     ],
 )
 def test_what_multi_process_training_cannot_do_stops_with_one_line(section, key, value, message):

@@ -222,9 +222,18 @@ def assert_matches_hf(model, out):
     assert (out.sampling_logp[~mask] == 0).all()
 
 
-def test_engine_is_a_rollout_engine_and_leaves_the_global_random_stream_alone(engine):
+def test_engine_is_a_rollout_engine_and_leaves_the_global_random_stream_alone(engine, tiny):
     assert isinstance(engine, RolloutEngine)
     assert BUILD["rng_kept"]  # vLLM seeds torch's global generator; the engine restores it
+    tok = tiny[1]
+    rng = torch.get_rng_state()
+    engine.sample(prompts(tok) * 3, SamplingParams(max_new_tokens=4, temperature=T, seed=3))
+    assert torch.equal(rng, torch.get_rng_state())  # vLLM's batch-sized draws are undone
+    engine.sample(prompts(tok) * 3, SamplingParams(max_new_tokens=4, temperature=T))  # seed None
+    after = torch.get_rng_state()
+    torch.set_rng_state(rng)
+    torch.randint(0, 1 << 62, ())  # the call seed: one draw, whatever the batch size
+    assert torch.equal(after, torch.get_rng_state())
 
 
 def test_sleep_and_wake_are_no_ops_without_cuda_sleep_mode(engine, tiny):

@@ -2,11 +2,13 @@
 
 `emapg train rollout.engine=vllm` as a user runs it, in a child process each time: a CI-sized
 run learns nothing measurable, but it must run the whole loop (rollout through vLLM, weight
-syncs after every update, evaluation) and give the same metrics for the same seed.
+syncs after every update, evaluation) and give the same metrics for the same seed. Under
+torchrun every rank's engine must hold the gathered policy after each sync.
 """
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +45,8 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _train(model_dir: Path, out: Path) -> list[dict]:
+def _train(model_dir: Path, out: Path, *extra: str) -> list[dict]:
+    """`emapg train` in a child process; its metrics without timings."""
     env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1])}
     cmd = [
         sys.executable,
@@ -53,9 +56,14 @@ def _train(model_dir: Path, out: Path) -> list[dict]:
         f"model.path={model_dir}",
         f"train.output_dir={out}",
         *ARGS,
+        *extra,
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    return _records(out)
+
+
+def _records(out: Path) -> list[dict]:
     lines = (out / "quickstart" / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in lines]
 
@@ -66,3 +74,68 @@ def test_training_through_vllm_runs_and_repeats_exactly(model_dir, tmp_path):
     assert all(r["grad_norm"] > 0 for r in first[1:])  # real updates: the engine samples right answers too
     assert first[-1]["kl/value"] > 0  # the policy moved away from its anchor
     assert first == second
+
+
+def _torchrun(*args: str) -> None:
+    """2 gloo processes, each with its own vLLM engine (1 thread, a small KV cache each)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), *args, "train.threads=1", "rollout.vllm_gpu_memory_utilization=0.05"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_two_processes_each_engine_holds_the_gathered_policy_after_every_sync(model_dir, tmp_path):
+    """FSDP2 policy, one vLLM engine per rank: tests/vllm_sync_check.py checks each rank's engine
+    against the policy gathered at every sync."""
+    out = tmp_path / "syncs.json"
+    script = Path(__file__).with_name("vllm_sync_check.py")
+    _torchrun(str(script), str(out), f"model.path={model_dir}", f"train.output_dir={tmp_path}", *ARGS)
+    syncs = [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in (0, 1)]
+    for rank in syncs:
+        # the first evaluation pushes the checkpoint and step 1's rollout reuses it (same version);
+        # steps 2 and 3 and the final evaluation each push the policy after an update
+        pushes = [(0, True), (0, False), (1, True), (2, True), (3, True)]
+        assert [(s["version"], s["pushed"]) for s in rank] == pushes
+        for s in rank:
+            assert "model.embed_tokens.weight" in s["compared"] and "model.norm.weight" in s["compared"]
+            assert s["stored_max_abs_diff"] == 0.0  # float32 into a float32 engine: an exact copy
+            assert s["logp_max_abs_diff"] < 1e-5 and s["topk_equal"]  # every layer, through the kernels
+        sums = [s["embedding_sum"] for s in rank if s["pushed"]]
+        assert len(set(sums)) == len(sums)  # each push brought new weights (the test can fail)
+    # the two ranks' engines sample the same probe: they hold the same weights
+    assert [s["sequences"] for s in syncs[0]] == [s["sequences"] for s in syncs[1]]
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["grad_norm"] > 0 for r in records[1:])
+
+
+SEARCH = ["task.name=search", "retriever.world_people=10", "task.num_train=16", "task.num_eval=4",
+          "retriever.max_turns=2", "retriever.max_observation_tokens=20", "rollout.max_new_tokens=5",
+          "retriever.max_context=80", "train.steps=2", "kl.beta=1.0", "kl.estimator=k1", "kl.k=4"]  # fmt: skip
+
+
+def test_search_through_vllm_in_two_processes_equals_one_process(tmp_path):
+    """Multi-turn episodes through vLLM, one engine per rank: ranks finish their episodes after
+    different numbers of turns, and the run equals one process on the same global batch (each
+    row is its own seeded request, so its tokens do not depend on which rank samples it; the
+    figures agree to float rounding, as the engines' batches differ)."""
+    from emapg.tasks.search import SearchTask
+
+    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    model_dir = tmp_path / "model"
+    build_tiny_model(tok, hidden_size=64, max_position_embeddings=128).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    two_dir, extra = tmp_path / "two", [f"warmstart.cache_dir={tmp_path / 'cache'}", *SEARCH]
+    _torchrun("-m", "emapg", "train", f"model.path={model_dir}", f"train.output_dir={two_dir}", *ARGS, *extra)
+    one, two = _train(model_dir, tmp_path / "one", *extra), _records(two_dir)
+    assert [r["step"] for r in two] == [0, 1, 2]
+    # more than one 5-token turn per episode: the random model's invalid actions get Search-R1's
+    # message and another turn, until max_turns or the context cap
+    assert one[1]["response_length/mean"] > 5
+    for a, b in zip(one, two, strict=True):
+        assert a.keys() == b.keys()
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)

@@ -529,10 +529,6 @@ def validate_world(cfg: Config, world: int) -> None:
     if world == 1:
         return
     _check(
-        cfg.rollout.engine == "hf",
-        f"rollout.engine=vllm runs in one process; torchrun started {world}: use rollout.engine=hf",
-    )
-    _check(
         cfg.rollout.prompts_per_step % world == 0,
         f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the {world} "
         "processes (each rank takes whole groups)",

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from emapg import lora
+from emapg import distributed, lora
 from emapg.errors import EmapgError
 from emapg.rollout.base import ResponseRow, Rollout, SamplingParams, rollout_from_rows
 
@@ -123,20 +123,23 @@ def to_rollout(
 
 
 def weights_to_push(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, tensor in the engine's dtype) for every parameter of the policy.
+    """(HF name, tensor in the engine's dtype) for every parameter of the policy, one at a time.
 
     `named_parameters` yields a tied parameter once, under its first name (embed_tokens for a
     tied lm_head): vLLM's model shares that tensor between its embedding and its head, so
     loading embed_tokens updates both. An untied lm_head has its own name and is pushed too.
     A LoRA policy (peft) is pushed merged, W + scale * B @ A, under the base model's names: the
     engine samples from exactly the policy without knowing about adapters.
+    Under FSDP2 each parameter is gathered whole when the engine asks for it (a collective:
+    every rank pushes the same names in the same order), so no more than one gathered
+    parameter exists at a time besides the engine's own copy.
     """
     if lora.is_peft(model):
         for name, tensor in lora.merged_state_dict(model).items():
             yield name, tensor.detach().to(dtype)
         return
     for name, param in model.named_parameters():
-        yield name, param.detach().to(dtype)
+        yield name, distributed.full(param.detach()).to(dtype)
 
 
 def _reprocess_tied(worker) -> None:
@@ -162,6 +165,22 @@ def _reprocess_tied(worker) -> None:
                     process(module)
 
 
+def _shield_llvmlite() -> None:
+    """Let vLLM 0.32's CPU build start when numba is loaded (bm25s, the search task's index,
+    imports it). Building an engine, its CPU platform scans every loaded module's globals and
+    reads `vars(value)` of each; llvmlite's `ffi.lib` answers any missing attribute, `__dict__`
+    included, with a C-function wrapper, and the scan fails on it ("'_lib_fn_wrapper' object
+    has no attribute 'get'"). Giving `lib` a `__dict__` entry (an empty dict) makes the scan
+    skip it; llvmlite never looks the name up itself. GPU builds do not scan (they use Triton).
+    """
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    fntab = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(fntab, dict):
+        fntab.setdefault("__dict__", {})
+
+
 def _rng_state() -> tuple:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
@@ -184,7 +203,9 @@ class VllmEngine:
     texts and supplies the pad and EOS ids. `max_logprobs` bounds the per-token top-k the
     engine can return (set it to the KL's k). `gpu_memory_utilization`: the share of device
     memory vLLM may use (on CPU: the share of RAM for its KV cache). `sleep`: free vLLM's GPU
-    memory between rollouts (`sleep()` / `wake()`, CUDA only: a no-op elsewhere).
+    memory between rollouts (`sleep()` / `wake()`, CUDA only: a no-op elsewhere). Under
+    torchrun every rank builds one (at the same time: vLLM creates its groups collectively),
+    samples its own rows and is pushed the gathered policy.
     """
 
     def __init__(
@@ -216,8 +237,15 @@ class VllmEngine:
         self.eos_ids = sorted(eos)
         self.version: int | None = None  # weight version last pushed; None: the checkpoint's
         self.asleep = False
+        # Under torchrun each rank runs its own engine for its own rows (vLLM's external_launcher:
+        # the engine joins the trainer's process group instead of starting workers; tensor and
+        # data parallel size 1, so no rank's engine waits on another's).
+        self.colocated_ranks = distributed.world() > 1
+        launcher = {"distributed_executor_backend": "external_launcher"} if self.colocated_ranks else {}
+        _shield_llvmlite()
         state = _rng_state()  # vLLM seeds the global generators of the process it runs in
         self.llm = vllm.LLM(
+            **launcher,
             model=str(model_path),
             dtype=dtype,
             seed=seed,
@@ -274,7 +302,11 @@ class VllmEngine:
             for row in rows
         ]
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        # vLLM also draws noise for the whole batch from the global generators (then overwrites
+        # seeded rows): left alone, the trainer's random stream would depend on batch sizes.
+        state = _rng_state()
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        _set_rng_state(state)
         return to_rollout(
             [o.outputs[0] for o in outputs], prompt_ids, topk=params.topk, tokenizer=self.tokenizer
         )
@@ -318,7 +350,10 @@ class VllmEngine:
         del llm, core
         import gc
 
-        from vllm.distributed import cleanup_dist_env_and_memory
+        from vllm.distributed import cleanup_dist_env_and_memory, destroy_model_parallel
 
-        cleanup_dist_env_and_memory()
+        if self.colocated_ranks:
+            destroy_model_parallel()  # vLLM's groups only: the process group is the trainer's
+        else:
+            cleanup_dist_env_and_memory()
         gc.collect()

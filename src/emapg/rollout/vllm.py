@@ -36,6 +36,7 @@ What differs from the hf engine:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -258,6 +259,11 @@ class VllmEngine:
             enable_sleep_mode=self.can_sleep,
         )
         _set_rng_state(state)  # the trainer's random stream is its own, engine or not
+        # Every sync would log three lines: the reload's timing, the prefix-cache reset, and
+        # "Failed to load weights" for the layers that own no checkpoint tensor (rotary
+        # embedding; the tied head, loaded through embed_tokens). Errors still show.
+        for name in ("vllm.model_executor.model_loader.reload", "vllm.v1.core.block_pool"):
+            logging.getLogger(name).setLevel(logging.ERROR)
 
     def sample(
         self,

@@ -26,10 +26,12 @@ def _train(args) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     before, after = result["accuracy_before"], result["accuracy_after"]
-    print(
-        f"eval/accuracy {before:.1%} before training -> {after:.1%} after ({100 * (after - before):+.1f} points); "
-        f"run: {result['run_dir']}"
-    )
+    low, high = result["reward_range"]
+    if low >= 0 and high <= 1:  # a rate: the share of right answers
+        change = f"{before:.1%} before training -> {after:.1%} after ({100 * (after - before):+.1f} points)"
+    else:  # a mean reward on another scale (e.g. weighted reward functions): not a percentage
+        change = f"{before:.3f} before training -> {after:.3f} after ({after - before:+.3f})"
+    print(f"eval/accuracy {change}; run: {result['run_dir']}")
 
 
 def _sft(args) -> None:

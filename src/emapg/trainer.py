@@ -674,4 +674,5 @@ def train_loop(run: Run) -> dict:
         "run_dir": str(run.run_dir),
         "accuracy_before": state.accuracy_before,
         "accuracy_after": state.accuracy,
+        "reward_range": tuple(run.task.reward_range),  # eval/accuracy is a mean reward in it
     }

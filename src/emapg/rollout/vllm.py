@@ -40,7 +40,9 @@ import logging
 import math
 import os
 import random
+import sys
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -174,26 +176,26 @@ def _shield_llvmlite() -> None:
     has no attribute 'get'"). Giving `lib` a `__dict__` entry (an empty dict) makes the scan
     skip it; llvmlite never looks the name up itself. GPU builds do not scan (they use Triton).
     """
-    import sys
-
     ffi = sys.modules.get("llvmlite.binding.ffi")
     fntab = getattr(getattr(ffi, "lib", None), "_fntab", None)
     if isinstance(fntab, dict):
         fntab.setdefault("__dict__", {})
 
 
-def _rng_state() -> tuple:
+@contextmanager
+def _global_rng_kept():
+    """Restore Python's, numpy's and torch's global generators after the block: vLLM seeds them
+    when it starts and draws batch-sized noise from them while it samples."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple) -> None:
-    py, npy, cpu, cuda = state
-    random.setstate(py)
-    np.random.set_state(npy)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 class VllmEngine:
@@ -244,21 +246,20 @@ class VllmEngine:
         self.colocated_ranks = distributed.world() > 1
         launcher = {"distributed_executor_backend": "external_launcher"} if self.colocated_ranks else {}
         _shield_llvmlite()
-        state = _rng_state()  # vLLM seeds the global generators of the process it runs in
-        self.llm = vllm.LLM(
-            **launcher,
-            model=str(model_path),
-            dtype=dtype,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_logprobs=max(max_logprobs, 1),
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager,
-            max_model_len=max_model_len,
-            enable_sleep_mode=self.can_sleep,
-        )
-        _set_rng_state(state)  # the trainer's random stream is its own, engine or not
+        with _global_rng_kept():  # the trainer's random stream is its own, engine or not
+            self.llm = vllm.LLM(
+                **launcher,
+                model=str(model_path),
+                dtype=dtype,
+                seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_logprobs=max(max_logprobs, 1),
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=enable_prefix_caching,
+                enforce_eager=enforce_eager,
+                max_model_len=max_model_len,
+                enable_sleep_mode=self.can_sleep,
+            )
         # Every sync would log three lines: the reload's timing, the prefix-cache reset, and
         # "Failed to load weights" for the layers that own no checkpoint tensor (rotary
         # embedding; the tied head, loaded through embed_tokens). Errors still show.
@@ -308,11 +309,10 @@ class VllmEngine:
             for row in rows
         ]
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        # vLLM also draws noise for the whole batch from the global generators (then overwrites
+        # vLLM draws noise for the whole batch from the global generators (then overwrites the
         # seeded rows): left alone, the trainer's random stream would depend on batch sizes.
-        state = _rng_state()
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        _set_rng_state(state)
+        with _global_rng_kept():
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         return to_rollout(
             [o.outputs[0] for o in outputs], prompt_ids, topk=params.topk, tokenizer=self.tokenizer
         )

@@ -47,7 +47,9 @@ def measure(name: str, model: torch.nn.Module, r: int) -> str:
 def main() -> None:
     r = int(sys.argv[1]) if len(sys.argv) > 1 else 16
     tokenizer = build_tiny_tokenizer()
-    print(measure("builtin:tiny (width 64, 2 layers)", build_tiny_model(tokenizer), r))
+    tiny = build_tiny_model(tokenizer)
+    shape = f"width {tiny.config.hidden_size}, {tiny.config.num_hidden_layers} layers"
+    print(measure(f"builtin:tiny ({shape})", tiny, r))
     print(measure("Qwen2.5-0.5B shape", qwen25_05b(), r))
 
 

@@ -59,8 +59,13 @@ def _betas_wrong(tmp, model):
     return ["optim.betas=[0.9]"], "optim.betas must be two numbers in [0, 1); got [0.9]"
 
 
+def _tiny_model_setting_misspelt(tmp, model):
+    # YAML reads {hidden_size:64} (no space) as one key "hidden_size:64"
+    return ["warmstart.model_kwargs={hidden_size:64}"], "warmstart.model_kwargs: unknown settings ['hidden_size:64']"
+
+
 CASES = [_missing_data, _empty_data, _malformed_record, _prompt_too_long, _no_eos, _corrupt_weights,
-         _corrupt_checkpoint, _iw_clip_strings, _betas_wrong]  # fmt: skip
+         _corrupt_checkpoint, _iw_clip_strings, _betas_wrong, _tiny_model_setting_misspelt]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__.strip("_") for c in CASES])

@@ -475,6 +475,7 @@ def validate(cfg: Config) -> None:
     )
     _check_lora(cfg)
     _check(0 <= cfg.warmstart.target_accuracy <= 1, "warmstart.target_accuracy must be in [0, 1]")
+    _check_tiny_model_kwargs(cfg.warmstart.model_kwargs)
     _check(cfg.train.steps >= 0, "train.steps must be >= 0")
     _check(
         cfg.train.eval_every >= 1 and cfg.train.save_every >= 1,
@@ -522,6 +523,23 @@ def validate(cfg: Config) -> None:
         not path.startswith(("/", ".", "~")) or _exists(path),
         f"model.path {path!r} does not exist; set model.path=DIR to a local model directory",
     )
+
+
+def _check_tiny_model_kwargs(kwargs) -> None:
+    """warmstart.model_kwargs: a mapping of build_tiny_model's settings (e.g. {hidden_size: 64})."""
+    _check(isinstance(kwargs, dict), f"warmstart.model_kwargs must be a mapping; got {kwargs!r}")
+    if kwargs:
+        import inspect
+
+        from emapg.models import build_tiny_model
+
+        known = sorted(n for n in inspect.signature(build_tiny_model).parameters if n != "tokenizer")
+        unknown = sorted(set(kwargs) - set(known))
+        _check(
+            not unknown,
+            f"warmstart.model_kwargs: unknown settings {unknown} (write {{name: value}}, a space after "
+            f"the colon); expected some of {known}",
+        )
 
 
 def validate_world(cfg: Config, world: int) -> None:

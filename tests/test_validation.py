@@ -61,7 +61,8 @@ def _betas_wrong(tmp, model):
 
 def _tiny_model_setting_misspelt(tmp, model):
     # YAML reads {hidden_size:64} (no space) as one key "hidden_size:64"
-    return ["warmstart.model_kwargs={hidden_size:64}"], "warmstart.model_kwargs: unknown settings ['hidden_size:64']"
+    message = "warmstart.model_kwargs: unknown settings ['hidden_size:64']"
+    return ["warmstart.model_kwargs={hidden_size:64}"], message
 
 
 CASES = [_missing_data, _empty_data, _malformed_record, _prompt_too_long, _no_eos, _corrupt_weights,

@@ -53,7 +53,7 @@ class ModelConfig:
 class WarmStartConfig:
     steps: int = _f(1500, "most supervised steps that warm-start builtin:tiny (cached by settings)")
     batch_size: int = _f(64, "supervised batch size")
-    lr: float = _f(3e-3, "supervised learning rate")
+    lr: float = _f(2e-3, "supervised learning rate")
     target_accuracy: float = _f(0.35, "stop SFT at this held-out sampled accuracy (0: run all steps)")
     cache_dir: str = _f("~/.cache/emapg", "where warm starts are cached")
     model_kwargs: dict = _f({}, "build_tiny_model settings, e.g. {max_position_embeddings: 256}")

@@ -73,10 +73,10 @@ def build_tiny_model(
 
     `num_heads` defaults to one head per 32 channels: vLLM's CPU attention kernel refuses heads
     smaller than 32, and the same model must run in both engines. Sized by measurement on 2
-    CPU cores (quickstart, warm start then RL): width 96 with 3 heads learns 1-2 digit
-    addition in about 1000 SFT steps and gains 25 points of accuracy from RL; width 64 with 2
-    heads gained 14 (with 8 heads of 8, before the CPU kernel's minimum applied, 28). The
-    init is seeded without touching the caller's global RNG.
+    CPU cores (the quickstart: warm start, then RL): width 96 with 3 heads, warm-started at lr
+    2e-3, reaches the warm start's target in 575-1150 SFT steps over seeds and then gains 34
+    points from RL; width 64 with 2 heads gained 14. The init is seeded without touching the
+    caller's global RNG.
     """
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -20,7 +20,8 @@ __all__ = ["register_task", "train"]
 
 
 def train(config=None, overrides: Sequence[str] = (), *, task=None, resume: bool = False) -> dict:
-    """Train (or resume) one run; returns the final record (run_dir, accuracy before and after).
+    """Train (or resume) one run; returns the final record (run_dir, accuracy before and after,
+    and the task's reward_range, the scale of that accuracy: a mean reward).
 
     `config`: a `emapg.config.Config`, a YAML path or shipped config name (None: quickstart);
     `overrides`: dotted `key=value` strings applied on top; `task`: a `emapg.tasks.Task` instance

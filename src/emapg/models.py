@@ -78,13 +78,14 @@ def build_tiny_model(
     points from RL; width 64 with 2 heads gained 14. The init is seeded without touching the
     caller's global RNG.
     """
+    heads = num_heads or max(1, hidden_size // 32)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 4 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=num_heads or max(1, hidden_size // 32),
-        num_key_value_heads=num_heads or max(1, hidden_size // 32),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,  # the vocabulary is tiny; tying halves the embedding parameters
         pad_token_id=tokenizer.pad_token_id,

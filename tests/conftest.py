@@ -1,8 +1,15 @@
 """Shared fixtures: a tiny random model saved to disk, so trainer tests skip the warm start."""
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+import emapg
 from emapg.models import build_tiny_model, build_tiny_tokenizer
 
 
@@ -43,3 +50,24 @@ def _restore_task_registry():
     yield
     tasks._FACTORIES.clear()
     tasks._FACTORIES.update(saved)
+
+
+# A small search run for a random tiny model: a 10-person world, 2 rounds, an 80-token context
+# cap (episodes end after different numbers of turns), 2 steps of k1 at beta 1 (nothing is
+# rewarded; k1's sampled gradient still gives every step a real update).
+SEARCH_ARGS = ["task.name=search", "retriever.world_people=10", "task.num_train=16", "task.num_eval=4",
+               "retriever.max_turns=2", "retriever.max_observation_tokens=20", "rollout.max_new_tokens=5",
+               "retriever.max_context=80", "train.steps=2", "kl.beta=1.0", "kl.estimator=k1"]  # fmt: skip
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 300) -> None:
+    """`torchrun --nproc_per_node nproc args...` on a free local port, 1 OMP thread per process;
+    fails the test with the end of stderr when it does not exit 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), *args]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -9,11 +9,7 @@ its gathered policy trajectory, and a 2-process run stopped at step 2 and resume
 """
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import emapg
+from conftest import SEARCH_ARGS, torchrun
 from emapg import cli
 from emapg.config import load_config, validate_world
 from emapg.errors import EmapgError
@@ -52,18 +48,8 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "emapg", "train", *args]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(nproc, "-m", "emapg", "train", *args)
 
 
 def _args(model_dir, out, *extra):
@@ -170,11 +156,6 @@ def test_what_multi_process_training_cannot_do_stops_with_one_line(section, key,
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
 
 
-SEARCH = ["task.name=search", "retriever.world_people=10", "task.num_train=16", "task.num_eval=4",
-          "retriever.max_turns=2", "retriever.max_observation_tokens=20", "rollout.max_new_tokens=5",
-          "retriever.max_context=80"]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def search_model_dir(tmp_path_factory):
     """A random tiny Llama whose tokenizer has the search tags' characters."""
@@ -196,13 +177,7 @@ def test_search_in_two_processes_equals_one_process(search_model_dir, tmp_path):
     while the other goes on, and the run equals one process on the same global batch."""
     # The random model earns no reward: k1's sampled gradient (non-zero where policy and anchor
     # agree) gives every step a real update to compare, where noise amplified by Adam would not.
-    extra = [
-        *SEARCH,
-        f"warmstart.cache_dir={tmp_path / 'cache'}",
-        "train.steps=2",
-        "kl.beta=1.0",
-        "kl.estimator=k1",
-    ]
+    extra = [*SEARCH_ARGS, f"warmstart.cache_dir={tmp_path / 'cache'}"]
     _torchrun(2, *_args(search_model_dir, tmp_path / "two", *extra))
     assert cli.main(["train", *_args(search_model_dir, tmp_path / "one", *extra)]) == 0
     one, two = _records(tmp_path / "one"), _records(tmp_path / "two")

@@ -8,7 +8,6 @@ torchrun every rank's engine must hold the gathered policy after each sync.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import emapg
+from conftest import SEARCH_ARGS, torchrun
 from emapg.models import build_tiny_model, build_tiny_tokenizer
 from emapg.sft import sft
 from emapg.tasks.arithmetic import ArithmeticTask
@@ -78,14 +78,7 @@ def test_training_through_vllm_runs_and_repeats_exactly(model_dir, tmp_path):
 
 def _torchrun(*args: str) -> None:
     """2 gloo processes, each with its own vLLM engine (1 thread, a small KV cache each)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), *args, "train.threads=1", "rollout.vllm_gpu_memory_utilization=0.05"]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(2, *args, "train.threads=1", "rollout.vllm_gpu_memory_utilization=0.05", timeout=600)
 
 
 def test_two_processes_each_engine_holds_the_gathered_policy_after_every_sync(model_dir, tmp_path):
@@ -113,11 +106,6 @@ def test_two_processes_each_engine_holds_the_gathered_policy_after_every_sync(mo
     assert all(r["grad_norm"] > 0 for r in records[1:])
 
 
-SEARCH = ["task.name=search", "retriever.world_people=10", "task.num_train=16", "task.num_eval=4",
-          "retriever.max_turns=2", "retriever.max_observation_tokens=20", "rollout.max_new_tokens=5",
-          "retriever.max_context=80", "train.steps=2", "kl.beta=1.0", "kl.estimator=k1", "kl.k=4"]  # fmt: skip
-
-
 def test_search_through_vllm_in_two_processes_equals_one_process(tmp_path):
     """Multi-turn episodes through vLLM, one engine per rank: ranks finish their episodes after
     different numbers of turns, and the run equals one process on the same global batch (each
@@ -129,7 +117,7 @@ def test_search_through_vllm_in_two_processes_equals_one_process(tmp_path):
     model_dir = tmp_path / "model"
     build_tiny_model(tok, hidden_size=64, max_position_embeddings=128).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    two_dir, extra = tmp_path / "two", [f"warmstart.cache_dir={tmp_path / 'cache'}", *SEARCH]
+    two_dir, extra = tmp_path / "two", [f"warmstart.cache_dir={tmp_path / 'cache'}", *SEARCH_ARGS, "kl.k=4"]
     _torchrun("-m", "emapg", "train", f"model.path={model_dir}", f"train.output_dir={two_dir}", *ARGS, *extra)
     one, two = _train(model_dir, tmp_path / "one", *extra), _records(two_dir)
     assert [r["step"] for r in two] == [0, 1, 2]

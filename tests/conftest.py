@@ -41,6 +41,16 @@ def sample(model, tokenizer, prompts, *, batch_size=256, first_row=0, chat_templ
     )
 
 
+def engine_old(batch):
+    """pi_old taken from the engine that sampled `batch`, uncorrected (algo.old_logp=engine with
+    algo.rollout_correction=none): what the update divides by when the engine is the policy."""
+    from emapg.trainer import OldPolicy
+
+    return OldPolicy(
+        batch.sampling_logp, batch.topk_ids, torch.ones_like(batch.sampling_logp), batch.response_mask
+    )
+
+
 @pytest.fixture(autouse=True)
 def _restore_task_registry():
     """Tasks a test registers are gone after it, so messages listing the registry stay exact."""

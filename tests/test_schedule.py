@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import sample
+from conftest import engine_old, sample
 from emapg import trainer
 from emapg.models import load_model_and_tokenizer
 from test_trainer import config
@@ -25,7 +25,7 @@ def _grads_after_update(cfg, model, batch, advantages, checkpointing=False):
         scheduler=SimpleNamespace(step=lambda: None), state=trainer.TrainerState(), anchor=None,
     )  # fmt: skip
     torch.manual_seed(0)
-    stats = trainer.update(run, batch, advantages, None, trainer.PhaseTimer())
+    stats = trainer.update(run, batch, advantages, engine_old(batch), None, trainer.PhaseTimer())
     return [p.grad.clone() for p in model.parameters()], stats
 
 

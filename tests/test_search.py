@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
 import emapg
+from conftest import engine_old
 from emapg.cli import main
 from emapg.config import Config, load_config
 from emapg.errors import EmapgError
@@ -374,7 +375,8 @@ def test_loss_and_kl_ignore_masked_tokens():
     from emapg.anchor import Anchor
     from emapg.trainer import anchor_pass
 
-    ref = anchor_pass(cfg, Anchor(anchor, 1.0, 1), batch, vocab)
+    old = engine_old(batch)
+    ref = anchor_pass(cfg, Anchor(anchor, 1.0, 1), batch, old, vocab)
     advantages = torch.randn(n)
 
     def loss_and_grad(noise_scale):
@@ -382,7 +384,7 @@ def test_loss_and_kl_ignore_masked_tokens():
         # The logits at column P + t - 1 predict response token t: disturb those of masked tokens.
         noise[:, p - 1 : -1][~mask] = noise_scale * torch.randn(int((~mask).sum()), vocab)
         policy.zero_grad()
-        pg, kl_tok, _ = token_losses(cfg, NoisyAtMasked(policy, noise), batch, advantages, ref)
+        pg, kl_tok, *_ = token_losses(cfg, NoisyAtMasked(policy, noise), batch, advantages, old, ref)
         loss = aggregate(pg + 0.1 * kl_tok, mask, "token_mean", float(mask.sum()))
         loss.backward()
         return loss.detach(), [q.grad.clone() for q in policy.parameters()]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import sample
+from conftest import engine_old, sample
 from emapg import kl, trainer
 from emapg.config import load_config
 from emapg.models import load_model_and_tokenizer
@@ -62,9 +62,10 @@ def test_trainer_kl_path_equals_token_kl(tmp_path, tiny_model_dir, estimator, di
     _perturb(model, 1)
     _perturb(anchor.model, 2)
     vocab = model.get_output_embeddings().weight.shape[0]
-    ref = trainer.anchor_pass(cfg, anchor, batch, vocab)
+    old = engine_old(batch)
+    ref = trainer.anchor_pass(cfg, anchor, batch, old, vocab)
     advantages = torch.linspace(-1, 1, 6)
-    pg, kl_tok, _ = trainer.token_losses(cfg, model, batch, advantages, ref)
+    pg, kl_tok, *_ = trainer.token_losses(cfg, model, batch, advantages, old, ref)
 
     def logits_of(m):
         out = m(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits

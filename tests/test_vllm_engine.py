@@ -144,7 +144,6 @@ def test_missing_vllm_is_one_line_naming_the_install(tmp_path):
     "overrides, message",
     [
         (["rollout.engine=sglang"], "rollout.engine: unknown 'sglang'"),
-        (["rollout.engine=vllm", "rollout.top_p=0.9"], "rollout.engine=vllm needs rollout.top_p=1"),
         (["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=1.5"], "must be in \\(0, 1\\)"),
     ],
 )
@@ -375,10 +374,22 @@ def test_stop_strings_end_the_response_and_stay_in_it_and_greedy_is_argmax(engin
     assert cut.responses[0, :n].tolist() == free.responses[0, :n].tolist()
 
 
-def test_top_p_below_one_is_refused(engine, tiny):
-    _, tok, _ = tiny
-    with pytest.raises(EmapgError, match="needs top_p=1"):
-        engine.sample(prompts(tok), SamplingParams(max_new_tokens=4, top_p=0.9))
+def test_top_p_log_probs_are_those_of_the_nucleus_the_tokens_were_drawn_from(engine, tiny):
+    """top_p < 1: vLLM's processed log-probs are mu's, log softmax(logits / T) cut to the nucleus
+    and renormalised, which the rollout correction divides by; no token outside the nucleus."""
+    model, tok, _ = tiny
+    synced(engine, model)
+    out = engine.sample(prompts(tok) * 4, SamplingParams(max_new_tokens=6, temperature=T, top_p=0.6, seed=3))
+    mask = out.response_mask
+    p = hf_logp(model, out).double().exp()
+    order = p.sort(-1, descending=True)
+    keep = order.values.cumsum(-1) - order.values < 0.6  # the smallest set with mass >= top_p
+    nucleus = torch.zeros_like(p).scatter_(-1, order.indices, order.values * keep)
+    mu = nucleus / nucleus.sum(-1, keepdim=True)
+    token_mu = mu.gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
+    assert (token_mu[mask] > 0).all()
+    assert (nucleus.sum(-1)[mask] < 0.99).any()  # the cut removed mass: mu differs from the policy
+    torch.testing.assert_close(out.sampling_logp[mask].double(), token_mu[mask].log(), rtol=0, atol=1e-5)
 
 
 class ScriptedEnv:

@@ -25,8 +25,10 @@ from emapg.errors import EmapgError
 from emapg.policy_loss import AGGREGATIONS
 from emapg.rewards import ISOLATION
 from emapg.rollout import ENGINES
+from emapg.rollout_correction import MODES as ROLLOUT_CORRECTIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
+OLD_LOGP = ("auto", "recompute", "engine")
 DEVICES = ("auto", "cpu", "cuda")
 # emapg.tasks.math_data.SCHEMA_NAMES, written out so that reading a config imports no SymPy
 MATH_SCHEMAS = ("auto", "olympiadbench", "gsm8k", "qwen_math", "math500", "math")
@@ -116,10 +118,17 @@ class RolloutConfig:
         8, "response length limit in tokens; multi-turn episodes (search): per model turn"
     )
     temperature: float = _f(1.0, "sampling temperature; the policy is softmax(logits / temperature)")
-    top_p: float = _f(1.0, "nucleus sampling; < 1 samples from a truncated policy (see rollout/hf.py)")
+    top_p: float = _f(
+        1.0, "nucleus sampling; < 1 samples from a truncated policy, corrected by algo.rollout_correction"
+    )
     stop: list = _f([], "stop strings that end a response (besides EOS)")
     batch_size: int = _f(256, "sequences per generate call (training and evaluation)")
     engine: str = _f("hf", "hf (transformers generate) or vllm (colocated vLLM, see docs/vllm.md)", ENGINES)
+    dtype: str = _f(
+        "auto",
+        "the engine's dtype; auto: model.dtype. vllm only: bfloat16 beside a float32 policy is the usual GPU set-up",
+        ("auto", *DTYPES),
+    )
     vllm_gpu_memory_utilization: float = _f(
         0.3, "share of GPU memory vLLM may take (engine=vllm); on CPU the share of RAM for its KV cache"
     )
@@ -160,6 +169,21 @@ class AlgoConfig:
         False, "leave responses cut at the length limit (no EOS or stop) out of the loss"
     )
     loss_aggregation: str = _f("token_mean", "every token weighs the same, or every sequence", AGGREGATIONS)
+    old_logp: str = _f(
+        "auto",
+        "pi_old of the PPO ratio and the KL's top-k set: recompute (a no-grad pass of the policy), engine "
+        "(the sampling engine's); auto: engine only where it is the policy itself (hf, same dtype, top_p=1)",
+        OLD_LOGP,
+    )
+    rollout_correction: str = _f(
+        "token_tis",
+        "weight or drop tokens by pi_old/mu (mu: the engine that sampled). token_tis, verl's default, "
+        "never drops data and does not grow with length; seq_mask (TRL's) drops most long sequences",
+        ROLLOUT_CORRECTIONS,
+    )
+    rollout_correction_cap: float = _f(
+        2.0, "C of algo.rollout_correction: weights truncated at C, masks keep ratios in [1/C, C]"
+    )
 
 
 @dataclass
@@ -177,6 +201,9 @@ class KLConfig:
 @dataclass
 class AnchorConfig:
     kind: str = _f("ema", "ema, frozen (eta = 1) or none (needs kl.beta = 0)", ANCHORS)
+    dtype: str = _f(
+        "auto", "the anchor's dtype; auto: model.dtype (docs/training.md: bf16 EMA drift)", ("auto", *DTYPES)
+    )
     eta: float = _f(0.9, "EMA decay: anchor <- eta * anchor + (1 - eta) * policy")
     update_period: int = _f(10, "steps between EMA updates, counted in anchor.period_unit")
     period_unit: str = _f(
@@ -369,17 +396,57 @@ def _check(ok: bool, message: str) -> None:
         raise EmapgError(message)
 
 
+def rollout_dtype(cfg: Config) -> str:
+    """The engine's dtype: rollout.dtype, or the policy's for auto."""
+    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+
+
+def anchor_dtype(cfg: Config) -> str:
+    """The anchor's dtype: anchor.dtype, or the policy's for auto."""
+    return cfg.model.dtype if cfg.anchor.dtype == "auto" else cfg.anchor.dtype
+
+
+def recomputes_old_logp(cfg: Config) -> bool:
+    """Whether pi_old comes from a no-grad pass of the trainer's policy rather than the engine.
+
+    auto skips the pass only where the engine is the policy itself: the hf engine samples with
+    the live module in model.dtype, so at top_p = 1 its recorded log-probs are pi_old already
+    (the same weights and kernels, up to the KV cache's rounding) and a pass would change nothing.
+    vLLM has kernels (and on a GPU a dtype) of its own, and top_p < 1 samples from a truncated
+    distribution: there the engine's log-probs are mu, not pi_old."""
+    if cfg.algo.old_logp != "auto":
+        return cfg.algo.old_logp == "recompute"
+    return not (
+        cfg.rollout.engine == "hf" and rollout_dtype(cfg) == cfg.model.dtype and cfg.rollout.top_p == 1
+    )
+
+
 def _check_engine(cfg: Config) -> None:
-    """rollout.engine=vllm: what it supports (see rollout/vllm.py), checked before any import."""
+    """What each engine and the off-policy settings support, checked before any import."""
     r = cfg.rollout
+    _check(
+        r.engine == "vllm" or rollout_dtype(cfg) == cfg.model.dtype,
+        f"rollout.dtype={r.dtype} needs rollout.engine=vllm: the hf engine samples with the policy itself, "
+        f"in model.dtype={cfg.model.dtype}",
+    )
+    _check(
+        cfg.algo.old_logp != "engine" or r.top_p == 1,
+        "algo.old_logp=engine with rollout.top_p < 1 would take the nucleus-truncated sampling "
+        "distribution for pi_old; use algo.old_logp=recompute (or auto)",
+    )
+    _check(
+        cfg.algo.rollout_correction_cap > 1,
+        f"algo.rollout_correction_cap must be > 1; got {cfg.algo.rollout_correction_cap}",
+    )
+    _check(
+        not cfg.lora.r or anchor_dtype(cfg) == cfg.model.dtype,
+        f"anchor.dtype={cfg.anchor.dtype}: with LoRA the anchor is an adapter of the policy's own model, "
+        f"in model.dtype={cfg.model.dtype}",
+    )
     if r.engine != "vllm":
         return
     _check(0 < r.vllm_gpu_memory_utilization < 1, "rollout.vllm_gpu_memory_utilization must be in (0, 1)")
     _check(r.vllm_max_model_len >= 0, "rollout.vllm_max_model_len must be >= 0 (0: the model's maximum)")
-    _check(
-        r.top_p == 1,
-        "rollout.engine=vllm needs rollout.top_p=1 (its log-probs would be of the truncated policy)",
-    )
 
 
 def _check_lora(cfg: Config) -> None:

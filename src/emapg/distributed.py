@@ -73,14 +73,15 @@ def sum_one(value: float) -> float:
     return sum_all(value)[0]
 
 
-def max_one(value: int) -> int:
+def max_one(value: int | float) -> int | float:
     """The largest `value` over ranks (e.g. how many forward calls every rank must run)."""
     if not dist.is_initialized():
         return value
     on = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.int64, device=on)
+    exact = isinstance(value, int)
+    t = torch.tensor([value], dtype=torch.int64 if exact else torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return int(t.item()) if exact else float(t.item())
 
 
 def union(names) -> list[str]:

@@ -22,10 +22,10 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, distributed, kl, lora
+from emapg import checkpoint, distributed, kl, lora, rollout_correction
 from emapg.advantages import group_advantages
 from emapg.anchor import Anchor
-from emapg.config import Config, to_dict, validate_world
+from emapg.config import Config, recomputes_old_logp, rollout_dtype, to_dict, validate_world
 from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
 from emapg.guards import step_is_finite
@@ -59,15 +59,85 @@ class AnchorView:
         )
 
 
-def _head_ids(cfg: Config, batch: Rollout, vocab: int) -> Tensor | None:
-    """q for the KL: sampling top-k (reverse), the whole vocabulary (exact), none (sampled)."""
+@dataclass
+class OldPolicy:
+    """pi_old for the update: its log-prob at each sampled token, its top-k set (the reverse
+    KL's q) and the rollout correction between it and mu, the engine that sampled."""
+
+    logp: Tensor  # [N, L] log pi_old(token)
+    topk_ids: Tensor  # [N, L, k]
+    weight: Tensor  # [N, L] multiplies the policy-gradient loss (rollout_correction.correct)
+    keep: Tensor  # [N, L] bool: response tokens that stay in the loss
+
+    def select(self, rows: Tensor, width: int) -> OldPolicy:
+        return OldPolicy(*(t[rows, :width] for t in (self.logp, self.topk_ids, self.weight, self.keep)))
+
+
+@torch.no_grad()
+def recompute_old_logp(cfg: Config, model, batch: Rollout, k: int) -> tuple[Tensor, Tensor]:
+    """The trainer's own pi_old: a no-grad pass of the policy over the batch, before the first
+    optimiser step, giving the log-prob at each sampled token and the top-k ids (k of them)."""
+    n, width = batch.response_mask.shape
+    logp = torch.zeros(n, width, device=batch.sequences.device)
+    topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=batch.sequences.device)
+    for rows in micro_batches(cfg, batch, torch.arange(n)):
+        idx = torch.arange(1) if rows is None else rows  # None: a padding pass, its result dropped
+        part = batch.select(idx).trimmed()
+        w = part.response_mask.shape[1]
+        s = response_summary(
+            model, part, part.responses.unsqueeze(-1), temperature=cfg.rollout.temperature, topk_self=k
+        )
+        if rows is not None:
+            logp[rows, :w], topk_ids[rows, :w] = s.logp()[..., 0], s.topk_ids
+    return logp, topk_ids
+
+
+def old_policy(cfg: Config, model, batch: Rollout, k: int, timer: PhaseTimer) -> tuple[OldPolicy, dict]:
+    """pi_old (recomputed, or the engine's log-probs: `config.recomputes_old_logp`), the rollout
+    correction, and their metrics: mismatch/* (only when recomputed: else mu is pi_old) and
+    rollout_correction/*."""
+    mask = batch.response_mask
+    metrics = {}
+    if recomputes_old_logp(cfg):
+        with timer("old_logp"):
+            logp, topk_ids = recompute_old_logp(cfg, model, batch, k)
+        m = rollout_correction.mismatch_metrics(logp, batch.sampling_logp, mask, topk_ids, batch.topk_ids)
+        kl_sum, overlap_sum, tokens = distributed.sum_all(
+            m["kl_sum"], m.get("topk_overlap_sum", 0.0), m["tokens"]
+        )
+        metrics = {
+            "mismatch/kl": kl_sum / max(tokens, 1.0),
+            "mismatch/max_abs_logp": distributed.max_one(m["max_abs_logp"]),
+            **({"mismatch/topk_overlap": overlap_sum / max(tokens, 1.0)} if k else {}),
+        }
+    else:
+        logp, topk_ids = batch.sampling_logp, batch.topk_ids
+    c = rollout_correction.correct(
+        logp, batch.sampling_logp, mask, cfg.algo.rollout_correction, cfg.algo.rollout_correction_cap
+    )
+    kept = c.keep & mask
+    weight_sum, kept_n, tokens = distributed.sum_all(
+        float((c.weight * kept).sum()), float(kept.sum()), float(mask.sum())
+    )
+    metrics |= {
+        "rollout_correction/weight_mean": weight_sum / max(kept_n, 1.0),
+        "rollout_correction/weight_max": distributed.max_one(
+            float(c.weight[kept].max()) if kept.any() else 0.0
+        ),
+        "rollout_correction/masked_frac": 1.0 - kept_n / max(tokens, 1.0),
+    }
+    return OldPolicy(logp, topk_ids, c.weight, c.keep), metrics
+
+
+def _head_ids(cfg: Config, old: OldPolicy, vocab: int) -> Tensor | None:
+    """q for the KL: pi_old's top-k (reverse), the whole vocabulary (exact), none (sampled)."""
     if cfg.kl.estimator == "exact":
-        return torch.arange(vocab, device=batch.sequences.device).expand(*batch.response_mask.shape, vocab)
+        return torch.arange(vocab, device=old.logp.device).expand(*old.logp.shape, vocab)
     if cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse":
-        return batch.topk_ids
+        return old.topk_ids
     if cfg.kl.estimator in kl.TOPK:
         return None  # forward: the anchor pass picks q from its own top-k
-    return batch.topk_ids[..., :0]
+    return old.topk_ids[..., :0]
 
 
 def micro_batches(cfg: Config, batch: Rollout, rows: Tensor) -> list[Tensor | None]:
@@ -92,9 +162,11 @@ def micro_batches(cfg: Config, batch: Rollout, rows: Tensor) -> list[Tensor | No
 
 
 @torch.no_grad()
-def anchor_pass(cfg: Config, anchor: Anchor | AdapterAnchor, batch: Rollout, vocab: int) -> AnchorView:
+def anchor_pass(
+    cfg: Config, anchor: Anchor | AdapterAnchor, batch: Rollout, old: OldPolicy, vocab: int
+) -> AnchorView:
     tokens = batch.responses.unsqueeze(-1)
-    head_ids = _head_ids(cfg, batch, vocab)
+    head_ids = _head_ids(cfg, old, vocab)
     width = batch.response_mask.shape[1]
     n, k = len(batch.texts), cfg.kl.k if head_ids is None else head_ids.shape[-1]
     device = batch.sequences.device
@@ -130,15 +202,21 @@ def anchor_pass(cfg: Config, anchor: Anchor | AdapterAnchor, batch: Rollout, voc
     return view
 
 
-def token_losses(cfg: Config, model, part: Rollout, advantages: Tensor, ref: AnchorView | None):
-    """Per-token PPO-clip loss, KL estimate (None without anchor) and clip flags of a micro-batch."""
+def token_losses(
+    cfg: Config, model, part: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None
+):
+    """Per-token PPO-clip loss (times the rollout correction's weight), KL estimate (None
+    without anchor), clip flags and log PPO ratio (no gradient) of a micro-batch. The PPO ratio divides by pi_old; the KL's
+    importance weight by mu, the distribution the token was drawn from (docs/design.md, section 6)."""
     tokens = part.responses.unsqueeze(-1)
     ids = tokens if ref is None else torch.cat([tokens, ref.head_ids], -1)
     summary = response_summary(model, part, ids, temperature=cfg.rollout.temperature)
     logp = summary.logp()[..., 0]
-    pg, clipped = ppo_clip(logp, part.sampling_logp, advantages, cfg.algo.clip_low, cfg.algo.clip_high)
+    pg, clipped = ppo_clip(logp, old.logp, advantages, cfg.algo.clip_low, cfg.algo.clip_high)
+    pg = pg * old.weight
+    log_ratio = (logp - old.logp).detach()
     if ref is None:
-        return pg, None, clipped
+        return pg, None, clipped, log_ratio
     kl_tok = kl.from_summary(
         summary,
         (ref.head_ids == tokens).any(-1),
@@ -149,7 +227,7 @@ def token_losses(cfg: Config, model, part: Rollout, advantages: Tensor, ref: Anc
         sampling_logp=part.sampling_logp if cfg.kl.importance_weight else None,
         iw_clip=tuple(cfg.kl.iw_clip) if cfg.kl.iw_clip else None,
     )
-    return pg, kl_tok, clipped
+    return pg, kl_tok, clipped, log_ratio
 
 
 @dataclass
@@ -187,7 +265,9 @@ class PhaseTimer:
             self._inner[-1] += took
 
 
-def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None, timer: PhaseTimer) -> dict:
+def update(
+    run: Run, batch: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None, timer: PhaseTimer
+) -> dict:
     """PPO epochs over minibatches, micro-batched; an EMA counting optimiser steps steps here.
 
     With several processes `batch` is this rank's slice of the global batch: the permutation is
@@ -197,6 +277,8 @@ def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None,
     cfg, model, state = run.cfg, run.model, run.state
     sums = {"loss/policy": 0.0, "kl/value": 0.0, "clip_frac": 0.0}
     count, grad_norms = 0.0, []
+    # The first minibatch is on-policy for pi_old: recomputed, its ratio is 1 and nothing clips.
+    first_clipped = first_count = first_ratio_dev = 0.0
     local = len(batch.texts)
     first = distributed.rank() * local
     # Responses cut at the length limit can be left out of the loss (DAPO's overlong masking).
@@ -204,9 +286,11 @@ def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None,
         batch.response_mask & ~batch.truncated.unsqueeze(-1)
         if cfg.algo.mask_overlong
         else batch.response_mask
-    )
-    for _ in range(cfg.algo.epochs):
-        for rows_mb in torch.randperm(local * distributed.world()).chunk(cfg.algo.minibatches):
+    ) & old.keep  # the rollout correction's dropped tokens leave the loss and its count
+    for epoch in range(cfg.algo.epochs):
+        for minibatch, rows_mb in enumerate(
+            torch.randperm(local * distributed.world()).chunk(cfg.algo.minibatches)
+        ):
             rows_mb = rows_mb[(rows_mb >= first) & (rows_mb < first + local)] - first
             total = aggregation_total(
                 loss_mask[rows_mb], cfg.algo.loss_aggregation, reduce=distributed.sum_one,
@@ -221,7 +305,9 @@ def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None,
                 w = part.response_mask.shape[1]
                 mask = loss_mask[rows, :w]
                 part_ref = None if ref is None else ref.select(rows, w)
-                pg, kl_tok, clipped = token_losses(cfg, model, part, advantages[rows], part_ref)
+                pg, kl_tok, clipped, log_ratio = token_losses(
+                    cfg, model, part, advantages[rows], old.select(rows, w), part_ref
+                )
                 loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
                 loss = weight * aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total)
                 loss.backward()
@@ -231,6 +317,11 @@ def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None,
                 sums["kl/value"] += 0.0 if kl_tok is None else float((kl_tok.detach() * mask).sum())
                 sums["clip_frac"] += float((clipped & mask).sum())
                 count += float(mask.sum())
+                if epoch == 0 and minibatch == 0:
+                    first_clipped += float((clipped & mask).sum())
+                    dev = torch.where(mask, (log_ratio.exp() - 1).abs(), 0.0)
+                    first_ratio_dev = max(first_ratio_dev, float(dev.max()))
+                    first_count += float(mask.sum())
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else math.inf
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # global over shards
             grad_norm = float(distributed.full(norm))
@@ -244,8 +335,12 @@ def update(run: Run, batch: Rollout, advantages: Tensor, ref: AnchorView | None,
             if run.anchor is not None and cfg.anchor.period_unit == "optimizer_steps":
                 with timer("ema"):
                     run.anchor.step(model, state.optimizer_steps)
-    *totals, count = distributed.sum_all(*sums.values(), count)
+    *totals, count, first_clipped, first_count = distributed.sum_all(
+        *sums.values(), count, first_clipped, first_count
+    )
     stats = {k: v / max(count, 1.0) for k, v in zip(sums, totals, strict=True)}
+    stats["clip_frac/first_minibatch"] = first_clipped / max(first_count, 1.0)
+    stats["ppo_ratio/first_minibatch_max_dev"] = distributed.max_one(first_ratio_dev)  # max |ratio - 1|
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
     return stats
 
@@ -427,7 +522,7 @@ def make_engine(cfg: Config, model, tokenizer, model_dir: str) -> RolloutEngine:
 
         r = cfg.rollout
         return VllmEngine(
-            model_dir, tokenizer, dtype=cfg.model.dtype, seed=cfg.train.seed, max_logprobs=max(cfg.kl.k, 1),
+            model_dir, tokenizer, dtype=rollout_dtype(cfg), seed=cfg.train.seed, max_logprobs=max(cfg.kl.k, 1),
             gpu_memory_utilization=r.vllm_gpu_memory_utilization, enforce_eager=r.vllm_enforce_eager,
             max_model_len=r.vllm_max_model_len or None, sleep=r.vllm_sleep, eos_ids=eos_ids(model, tokenizer),
         )  # fmt: skip
@@ -630,11 +725,15 @@ def train_loop(run: Run) -> dict:
                 rewards.device
             )
 
+        old, correction_metrics = old_policy(
+            cfg, model, batch, params.topk, timer
+        )  # its own phase when recomputed
+
         with timer("anchor"):
-            ref = anchor_pass(cfg, run.anchor, batch, run.vocab) if run.anchor is not None else None
+            ref = anchor_pass(cfg, run.anchor, batch, old, run.vocab) if run.anchor is not None else None
 
         with timer("update"):
-            stats = update(run, batch, advantages.to(batch.sequences.device), ref, timer)
+            stats = update(run, batch, advantages.to(batch.sequences.device), old, ref, timer)
         if run.anchor is not None and cfg.anchor.period_unit == "training_steps":
             with timer("ema"):
                 run.anchor.step(model, step)
@@ -652,6 +751,7 @@ def train_loop(run: Run) -> dict:
             **reward_part_metrics(run.task, scored),
             "train/skipped_steps": state.skipped_steps,
             **stats,
+            **correction_metrics,
             "entropy": entropy_sum / max(tokens, 1.0),
             "response_length/mean": tokens / n,
             **task_metrics(run.task, batch.texts, examples),

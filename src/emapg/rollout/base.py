@@ -149,7 +149,7 @@ class SamplingParams:
 
     max_new_tokens: int  # response length limit in tokens
     temperature: float = 1.0  # the sampling policy is softmax(logits / temperature)
-    top_p: float = 1.0  # nucleus sampling (the recorded log-probs stay the untruncated policy's)
+    top_p: float = 1.0  # nucleus sampling; the recorded log-probs are of the truncated distribution
     greedy: bool = False  # argmax decoding; temperature then only shapes the recorded log-probs
     topk: int = 0  # top-k ids of the sampling distribution to record per token (0: none)
     stop: tuple[str, ...] = ()  # strings that end a response besides EOS (kept in the response)

@@ -2,12 +2,12 @@
 
 The sampling log-probs, entropy and top-k ids are recorded in the same pass that samples, by
 a logits processor that sees the raw logits of every step (it runs before `_RowSampler`, which
-applies the temperature and top-p itself; generate adds no warpers). They are exact for
-the sampling policy softmax(logits / temperature). Two caveats, both standard practice:
-- with top_p < 1 the tokens are drawn from the nucleus-truncated distribution, while the
-  recorded log-probs (and the PPO ratio and KL) use the untruncated tempered policy;
-- the update pass recomputes the policy on whole sequences without the KV cache, so its
-  log-probs equal these only up to floating-point rounding (ratio 1 +- 1e-6 in fp32).
+applies the temperature and top-p itself; generate adds no warpers). The recorded log-prob of
+each token is that of the distribution it was drawn from, mu: softmax(logits / temperature),
+nucleus-truncated and renormalised when top_p < 1 (the rollout correction divides by it). The
+top-k ids and the entropy are those of the untruncated tempered policy. The update pass
+recomputes the policy on whole sequences without the KV cache, so its log-probs equal these
+only up to floating-point rounding (ratio 1 +- 1e-6 in fp32).
 
 Sampling is batch-invariant: `_RowSampler` draws each token by inverting the CDF at a uniform
 hashed from (call seed, global row index, step), so a row samples the same tokens whichever
@@ -35,10 +35,12 @@ from emapg.rollout.base import Rollout, SamplingParams, eos_ids, left_pad
 
 
 class _SamplingRecorder(LogitsProcessor):
-    """Records per step: top-k ids and entropy now, the sampled token's log-prob one step later."""
+    """Records per step: top-k ids and entropy now, the sampled token's log-prob one step later
+    (under the nucleus-truncated distribution when top_p < 1: the one `_RowSampler` draws from)."""
 
-    def __init__(self, temperature: float, k: int):
+    def __init__(self, temperature: float, k: int, top_p: float = 1.0):
         self.temperature, self.k = temperature, k
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
         self.token_logp: list[Tensor] = []
         self.topk_ids: list[Tensor] = []
         self.entropy: list[Tensor] = []
@@ -47,8 +49,11 @@ class _SamplingRecorder(LogitsProcessor):
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         if self._last is not None:  # the token sampled at the previous step is input_ids[:, -1]
             self.token_logp.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        self._last = logp
+        tempered = scores.float() / self.temperature
+        logp = torch.log_softmax(tempered, dim=-1)
+        self._last = (
+            logp if self.top_p is None else torch.log_softmax(self.top_p(input_ids, tempered), dim=-1)
+        )
         self.entropy.append(-(logp.exp() * logp).sum(-1))
         if self.k:
             self.topk_ids.append(logp.topk(min(self.k, logp.shape[-1]), dim=-1).indices)
@@ -187,7 +192,9 @@ class HFEngine:
             )  # fmt: skip
         for a in starts:
             ids, mask = prompt_ids[a : a + self.batch_size], prompt_mask[a : a + self.batch_size]
-            recorder = _SamplingRecorder(params.temperature, params.topk)
+            recorder = _SamplingRecorder(
+                params.temperature, params.topk, 1.0 if params.greedy else params.top_p
+            )
             processors = [recorder]
             if not params.greedy:
                 processors.append(

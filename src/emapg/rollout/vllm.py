@@ -4,12 +4,12 @@
 `vllm` extra; emapg's torch pin, 2.13.0, is the one vLLM 0.32 is built against). It relies on:
 
 - `LLM(logprobs_mode="processed_logprobs")`: the returned log-probs are those of the logits
-  after vLLM's processors, i.e. log softmax(logits / T) at top_p = 1, the sampling policy the
-  trainer's PPO ratio and top-k KL expect (no recompute). vLLM applies top-p BEFORE taking the
-  log-softmax, so with top_p < 1 it would return the nucleus-renormalised policy instead of the
-  untruncated one the protocol records: `sample` refuses top_p < 1 (the hf engine supports it).
-  With greedy decoding vLLM skips the temperature, so greedy log-probs are log softmax(logits)
-  (T = 1); greedy is for evaluation, where they are not used.
+  after vLLM's processors (temperature, then top-p), i.e. of mu, the distribution each token was
+  really drawn from: log softmax(logits / T), nucleus-renormalised when top_p < 1. That is what
+  the rollout correction and the KL's importance weight divide by; pi_old itself comes from
+  the trainer's own pass (`algo.old_logp`, docs/design.md section 6). With greedy decoding vLLM
+  skips the temperature, so greedy log-probs are log softmax(logits) (T = 1); greedy is for
+  evaluation, where they are not used.
 - the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode does), so
   a weight sync hands the policy's tensors to vLLM by reference: `LLM.collective_rpc(
   "reload_weights", kwargs={"weights_iterator": ...})` runs the worker's public in-place reload
@@ -29,9 +29,9 @@ What differs from the hf engine:
   entropy recorded here is that of the returned tokens (top-k and the sampled one) plus one
   bucket holding the rest of the mass: a lower bound on the true entropy (merging outcomes
   never raises entropy), exact when k = V.
-- vLLM's kernels differ from the trainer's forward, so the update pass's log-probs equal these
-  only up to rounding (~1e-6 in float32 on CPU; bf16-level on a GPU, see
-  benchmarks/gpu_check_vllm.py).
+- vLLM's kernels (and `rollout.dtype`) differ from the trainer's forward, so the trainer's
+  log-probs equal these only up to rounding (~1e-5 in float32 on CPU; bf16-level in bfloat16:
+  benchmarks/rollout_mismatch.py measures the gap).
 """
 
 from __future__ import annotations
@@ -274,11 +274,6 @@ class VllmEngine:
         rows: Sequence[int] | None = None,
     ) -> Rollout:
         """One response per prompt; prompt i is one request seeded by (call seed, rows[i])."""
-        if params.top_p < 1:
-            raise EmapgError(
-                "rollout.engine=vllm needs top_p=1: vLLM's log-probs would be those of the "
-                "nucleus-truncated policy; use the hf engine for top_p < 1"
-            )
         if params.topk > self.max_logprobs:
             raise EmapgError(f"top-k {params.topk} exceeds the engine's max_logprobs={self.max_logprobs}")
         rows = list(range(len(prompt_ids))) if rows is None else list(rows)
@@ -295,7 +290,7 @@ class VllmEngine:
             call_seed = int(torch.randint(0, 1 << 62, ()))
         common = dict(
             temperature=0.0 if params.greedy else params.temperature,
-            top_p=1.0,
+            top_p=1.0 if params.greedy else params.top_p,
             top_k=0,  # no top-k truncation (vLLM's "all tokens")
             max_tokens=params.max_new_tokens,
             logprobs=params.topk,

@@ -92,7 +92,8 @@ def test_bfloat16_training_end_to_end_through_the_hf_engine(tmp_path, tiny_model
         assert "time/old_logp_s" not in r  # the hf engine samples in the policy's own dtype
     saved = tmp_path / "quickstart" / "checkpoints" / "step_2" / "policy" / "model.safetensors"
     with safe_open(str(saved), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        names = f.keys()  # a safetensors file handle, not a dict
+        assert {f.get_tensor(k).dtype for k in names} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ These pure functions turn the two log-probs into per-token weights and a keep ma
 With mu == pi_old every mode is the identity: weights exactly 1, nothing dropped. The
 weights multiply the policy-gradient term only; a dropped token leaves the loss altogether
 (policy term, KL and the aggregation's count), as verl's rejection modes do. The KL needs
-no such weight: its own importance weight already divides by mu (docs/design.md, section 6).
+no such weight: its own importance weight already divides by mu (docs/design.md, section 7).
 """
 
 from __future__ import annotations

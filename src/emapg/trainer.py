@@ -207,7 +207,7 @@ def token_losses(
 ):
     """Per-token PPO-clip loss (times the rollout correction's weight), KL estimate (None
     without anchor), clip flags and log PPO ratio (no gradient) of a micro-batch. The PPO ratio divides by pi_old; the KL's
-    importance weight by mu, the distribution the token was drawn from (docs/design.md, section 6)."""
+    importance weight by mu, the distribution the token was drawn from (docs/design.md, section 7)."""
     tokens = part.responses.unsqueeze(-1)
     ids = tokens if ref is None else torch.cat([tokens, ref.head_ids], -1)
     summary = response_summary(model, part, ids, temperature=cfg.rollout.temperature)

@@ -7,7 +7,7 @@
   after vLLM's processors (temperature, then top-p), i.e. of mu, the distribution each token was
   really drawn from: log softmax(logits / T), nucleus-renormalised when top_p < 1. That is what
   the rollout correction and the KL's importance weight divide by; pi_old itself comes from
-  the trainer's own pass (`algo.old_logp`, docs/design.md section 6). With greedy decoding vLLM
+  the trainer's own pass (`algo.old_logp`, docs/design.md section 7). With greedy decoding vLLM
   skips the temperature, so greedy log-probs are log softmax(logits) (T = 1); greedy is for
   evaluation, where they are not used.
 - the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode does), so

@@ -365,3 +365,65 @@ def test_bad_tensors_raise_one_clear_line():
             kl.token_kl(*args, k=2)
     with pytest.raises(EmapgError, match="sampling_logp must be"):
         kl.token_kl(good, good, tokens, k=2, sampling_logp=torch.zeros(2, V))
+
+
+def _gathered(seed: int, vocab: int = 300, positions: int = 16, k: int = 32):
+    """Log-probs of a policy and an anchor over `vocab` tokens at `positions` positions, gathered
+    at a sampled token and at the policy's top-k set q, as other frameworks pass them."""
+    g = torch.Generator().manual_seed(seed)
+    logp_all = torch.log_softmax(torch.randn(positions, vocab, generator=g, dtype=DT) * 2, -1)
+    ref_all = torch.log_softmax(torch.randn(positions, vocab, generator=g, dtype=DT) * 2, -1)
+    tokens = torch.multinomial(logp_all.exp(), 1, generator=g)
+    q = logp_all.topk(k, -1).indices
+    return {
+        "logp": logp_all.gather(-1, tokens)[:, 0],
+        "ref_logp": ref_all.gather(-1, tokens)[:, 0],
+        "head_logp": logp_all.gather(-1, q),
+        "head_ref_logp": ref_all.gather(-1, q),
+    }, (q == tokens).any(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8, torch.int32])
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_a_numeric_in_head_mask_means_its_boolean(dtype, direction):
+    """The paper's code passes `not_in_topk.to(dtype)`; `~` of an integer 0/1 mask is -1/-2 (or
+    255/254), a silently wrong tail. A 0/1 mask of any dtype gives the bool mask's numbers."""
+    tensors, in_head = _gathered(0)
+    assert in_head.any() and (~in_head).any()  # both branches of the tail are exercised
+    want = kl.from_logprobs(**tensors, estimator="topk", direction=direction, in_head=in_head)
+    got = kl.from_logprobs(**tensors, estimator="topk", direction=direction, in_head=in_head.to(dtype))
+    assert torch.equal(got, want)
+
+
+def test_an_in_head_mask_with_other_values_is_one_line():
+    tensors, in_head = _gathered(0)
+    for bad in (in_head.long() * 2 - 1, in_head.float() * 0.5):
+        with pytest.raises(EmapgError, match="in_head must be bool or hold only 0 and 1") as e:
+            kl.from_logprobs(**tensors, in_head=bad)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+@pytest.mark.parametrize("estimator", ["topk", "truncated", "k3"])
+def test_bfloat16_inputs_are_computed_in_float32(estimator, direction):
+    """bfloat16 log-probs (300-token vocabulary, k = 32) give exactly the float32 computation of
+    the same bfloat16 values; summed over the head in bfloat16 they would be off by more than
+    1e-5, which the last assertion shows (the test has teeth)."""
+    if estimator == "k3" and direction == "forward":
+        pytest.skip("k3 estimates reverse KL")
+    tensors, in_head = _gathered(1)
+    low = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
+    got = kl.from_logprobs(**low, estimator=estimator, direction=direction, in_head=in_head)
+    want = kl.from_logprobs(
+        **{k: v.float() for k, v in low.items()}, estimator=estimator, direction=direction, in_head=in_head
+    )
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    if estimator != "k3":
+        h, r = low["head_logp"], low["head_ref_logp"]
+        in_bf16 = (h.exp() * (h - r)).sum(-1) if direction == "reverse" else (r.exp() * (r - h)).sum(-1)
+        in_f64 = (
+            (h.double().exp() * (h.double() - r.double())).sum(-1)
+            if direction == "reverse"
+            else (r.double().exp() * (r.double() - h.double())).sum(-1)
+        )
+        assert (in_bf16.double() - in_f64).abs().max() > 1e-5

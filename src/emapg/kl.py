@@ -147,17 +147,22 @@ def from_logprobs(
     logp, ref_logp: [...] policy and anchor log-probs at the sampled token.
     head_logp, head_ref_logp: [..., k] log-probs at the top-k set q (top-k estimators;
         "exact" is the top-k estimator with q = the whole vocabulary).
-    in_head: [...] bool, whether the sampled token is in q.
+    in_head: [...] whether the sampled token is in q: bool, or numbers 0/1 (the paper's code
+        passes a float mask), read as the boolean they mean; any other value is refused.
     weight: [...] importance weight s, or None on-policy. It multiplies the sampled tail
         only for top-k estimators, and the whole estimate for sampled ones.
+
+    Every input is widened to at least float32 before any arithmetic (bfloat16 log-probs
+    summed over a head of 32 in bfloat16 would lose their third digit).
     """
     check_estimator(estimator, direction)
     if estimator in SAMPLED:
         est = sampled(logp, ref_logp, estimator)
-        return est if weight is None else est * weight
+        return est if weight is None else est * _wide(weight)
     if head_logp is None or head_ref_logp is None or in_head is None:
         raise EmapgError(f"kl estimator {estimator!r} needs head_logp, head_ref_logp and in_head")
-    head_ref_logp = head_ref_logp.detach()
+    in_head = _as_bool_mask(in_head)
+    head_logp, head_ref_logp = _wide(head_logp), _wide(head_ref_logp).detach()
     p_head = head_logp.exp()
     mass = p_head.sum(-1)
     if direction == "reverse":
@@ -175,12 +180,24 @@ def from_logprobs(
     if estimator == "truncated":
         return est
     tail = sampled(logp, ref_logp, tail_estimator) * (~in_head)
-    return est + (tail if weight is None else tail * weight)
+    return est + (tail if weight is None else tail * _wide(weight))
 
 
 def _wide(x: Tensor) -> Tensor:
     """At least fp32 for the arithmetic; float64 stays float64 (exact enumeration tests)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _as_bool_mask(in_head: Tensor) -> Tensor:
+    """`in_head` as bool. `~` of an integer 0/1 tensor is -1/-2 (uint8: 255/254), and a float
+    one has no `~`: a numeric mask is read as the boolean it means, once checked to be 0/1."""
+    if in_head.dtype == torch.bool:
+        return in_head
+    if in_head.is_complex() or not bool(((in_head == 0) | (in_head == 1)).all()):
+        raise EmapgError(
+            f"kl: in_head must be bool or hold only 0 and 1; got {in_head.dtype} with other values"
+        )
+    return in_head != 0
 
 
 def _check_logits(name: str, x: Tensor) -> None:

@@ -4,6 +4,7 @@ script to an emapg field; the config, loaded, holds exactly those values."""
 import re
 
 import pytest
+import torch
 import yaml
 
 from emapg.config import CONFIG_DIR, load_config
@@ -73,3 +74,19 @@ def test_placeholders_stop_with_one_line_until_set(path):
     with pytest.raises(EmapgError) as raised:
         load_config(f"paper/{path.stem}")
     assert "/path/to/" in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("path", [p for p in PAPER if p.stem.startswith("deepscaler")], ids=lambda p: p.stem)
+def test_deepscaler_k3_term_is_verls_without_the_importance_weight(path, tmp_path):
+    """The paper's fork reads use_kl_iw with a default of false and its DeepScaleR scripts do not
+    set it. One token, log pi -1, log pi_old -1.5, log ref -2: verl's k3 term e^-1 = 0.3679 with
+    gradient 1 - e^-1 = 0.6321; with the weight e^0.5 it would be 0.6065 and 1.0422."""
+    from emapg import kl
+
+    cfg = load_config(f"paper/{path.stem}", placeholders(path, tmp_path))
+    logp = torch.tensor([-1.0], dtype=torch.float64, requires_grad=True)
+    ref, old = torch.tensor([-2.0], dtype=torch.float64), torch.tensor([-1.5], dtype=torch.float64)
+    weight = kl.importance_weight(logp, old) if cfg.kl.importance_weight else None
+    term = kl.from_logprobs(logp, ref, estimator=cfg.kl.estimator, weight=weight)
+    (grad,) = torch.autograd.grad(term.sum(), logp)
+    assert term.item() == pytest.approx(0.36788, abs=1e-5) and grad.item() == pytest.approx(0.63212, abs=1e-5)

@@ -192,7 +192,12 @@ class KLConfig:
     estimator: str = _f("topk", "token-level KL estimator (docs/design.md has the table)", kl.ESTIMATORS)
     direction: str = _f("reverse", "reverse KL(pi||ref) or forward KL(ref||pi)", kl.DIRECTIONS)
     k: int = _f(32, "top-k set size for the top-k estimators")
-    importance_weight: bool = _f(True, "weight off-policy samples by pi/pi_sampling (tail only for top-k)")
+    importance_weight: bool = _f(
+        True,
+        "multiply the sampled estimate (top-k: its tail only) by s = pi/mu, mu the engine that drew the token: "
+        "unbiased whenever pi != mu (later minibatches, an engine whose numbers differ); s = 1 on-policy. "
+        "false reproduces recipes without it (verl, the paper's DeepScaleR scripts)",
+    )
     iw_clip: list = _f(
         [], "optional [s_min, s_max] bounds on the importance weight; null: no bound on that side"
     )

@@ -93,10 +93,18 @@ def test_two_processes_each_engine_holds_the_gathered_policy_after_every_sync(mo
         # steps 2 and 3 and the final evaluation each push the policy after an update
         pushes = [(0, True), (0, False), (1, True), (2, True), (3, True)]
         assert [(s["version"], s["pushed"]) for s in rank] == pushes
+        # Every layer, through the kernels: the engine's log-probs against a float64 forward of the
+        # same weights are within float32 rounding. The bound is the float32 noise measured on the
+        # same probes: the policy's own float32 forward's largest error against float64. Seen here:
+        # both up to ~7e-6 (the two float32 forwards then differ by up to ~1e-5, which a fixed
+        # 1e-5 bound failed on); an engine holding other weights (a stale or partial sync) is off
+        # by more than 1e-3.
+        noise = max(s["policy_error"] for s in rank)
         for s in rank:
             assert "model.embed_tokens.weight" in s["compared"] and "model.norm.weight" in s["compared"]
             assert s["stored_max_abs_diff"] == 0.0  # float32 into a float32 engine: an exact copy
-            assert s["logp_max_abs_diff"] < 1e-5 and s["topk_equal"]  # every layer, through the kernels
+            assert s["policy_error"] > 0 and s["engine_error"] <= 4 * noise, (s, noise)
+            assert s["topk_equal"]
         sums = [s["embedding_sum"] for s in rank if s["pushed"]]
         assert len(set(sums)) == len(sums)  # each push brought new weights (the test can fail)
     # the two ranks' engines sample the same probe: they hold the same weights

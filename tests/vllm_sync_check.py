@@ -6,7 +6,9 @@
 vLLM on CPU repacks its linear layers' weights into GEMM kernel layouts (the parameters it
 keeps are empty), so the check is twofold: the weights vLLM stores as they are (embedding,
 norms) must equal the gathered policy's exactly, and a probe sampled from the engine must
-have the log-probs and top-k sets of the policy's own forward (which covers every layer).
+have the top-k sets of the policy's own forward and its log-probs to float32 rounding (which
+covers every layer): each float32 forward's error is measured against a float64 forward of the
+same weights.
 Writes OUT_JSON.rank<R>: one record per sync.
 """
 
@@ -15,6 +17,7 @@ import os
 import sys
 
 import torch
+from transformers import AutoModelForCausalLM
 
 import emapg
 from emapg import distributed
@@ -29,17 +32,28 @@ def stored_weights(worker) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in worker.get_model().named_parameters() if p.numel()}
 
 
-def probe_against_policy(engine, model) -> dict:
+def probe_logp(model, out, dtype):
+    with torch.no_grad():
+        logits = model(input_ids=out.sequences, attention_mask=out.attention_mask).logits
+    return torch.log_softmax(logits[:, out.prompt_len - 1 : -1].to(dtype) / PROBE.temperature, -1)
+
+
+def probe_against_policy(engine, model, policy: dict) -> dict:
+    """The engine's log-probs against the sharded float32 policy's forward and against a float64
+    forward of the same (gathered) weights, the exact numbers both float32 forwards round."""
     prompts = [engine.tokenizer(t)["input_ids"] for t in ("1+2=", "7*3=", "9-4=", "5+5=")]
     out = engine.sample(prompts, PROBE)
-    with torch.no_grad():  # the sharded policy's forward: the same shapes on every rank
-        logits = model(input_ids=out.sequences, attention_mask=out.attention_mask).logits
-    logp = torch.log_softmax(logits[:, out.prompt_len - 1 : -1].float() / PROBE.temperature, -1)
-    mask = out.response_mask
-    token_logp = logp.gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
+    logp = probe_logp(model, out, torch.float32)  # the same shapes on every rank (FSDP)
+    exact_model = AutoModelForCausalLM.from_config(model.config).double()
+    exact_model.load_state_dict({n: t.double() for n, t in policy.items()}, strict=False)
+    exact_model.tie_weights()
+    exact = probe_logp(exact_model, out, torch.float64)
+    mask, tokens = out.response_mask, out.responses.unsqueeze(-1)
+    token_logp, token_exact = logp.gather(-1, tokens).squeeze(-1), exact.gather(-1, tokens).squeeze(-1)
     topk = logp.topk(PROBE.topk, -1).indices.sort(-1).values
     return {
-        "logp_max_abs_diff": (out.sampling_logp - token_logp)[mask].abs().max().item(),
+        "engine_error": (out.sampling_logp.double() - token_exact)[mask].abs().max().item(),
+        "policy_error": (token_logp.double() - token_exact)[mask].abs().max().item(),
         "topk_equal": torch.equal(out.topk_ids.sort(-1).values[mask], topk[mask]),
         "sequences": out.sequences.tolist(),
     }
@@ -61,7 +75,7 @@ def sync_and_check(self, model, version):
     records.append(
         {"version": version, "pushed": pushed, "compared": sorted(diffs), "stored_max_abs_diff": max(diffs.values()),
          "embedding_sum": stored["model.embed_tokens.weight"].double().sum().item(),
-         **probe_against_policy(self, model)}
+         **probe_against_policy(self, model, policy)}
     )  # fmt: skip
 
 

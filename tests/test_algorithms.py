@@ -130,3 +130,29 @@ def test_anchor_rejects_bad_settings():
         Anchor(Tiny(), 1.5, 1)
     with pytest.raises(EmapgError, match="anchor.update_period must be >= 1"):
         Anchor(Tiny(), 0.9, 0)
+
+
+@pytest.mark.parametrize("eta", [0.9, 0.0])
+def test_a_bfloat16_anchor_rounds_each_float32_lerp_once(eta):
+    """A bfloat16 anchor beside a float32 policy: every update is the float32 lerp of the stored
+    bfloat16 weights toward the policy, rounded to bfloat16 once (written out here)."""
+    torch.manual_seed(0)
+    policy = Tiny()
+    anchor = Anchor(policy, eta, 1, dtype=torch.bfloat16)
+    expected = [p.to(torch.bfloat16) for p in _params(policy)]
+    assert [p.dtype for p in anchor.model.parameters()] == [torch.bfloat16] * len(expected)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    for step in range(1, 6):
+        opt.zero_grad()
+        policy.b(policy.a(torch.randn(4, 3))).pow(2).sum().backward()
+        opt.step()
+        anchor.step(policy, step)
+        expected = [
+            torch.lerp(e.float(), p, 1 - eta).to(torch.bfloat16)
+            for e, p in zip(expected, _params(policy), strict=True)
+        ]
+        for got, want in zip(anchor.model.parameters(), expected, strict=True):
+            assert torch.equal(got, want)
+    if eta == 0.0:  # a copy of the policy, rounded once
+        for got, p in zip(anchor.model.parameters(), policy.parameters(), strict=True):
+            assert torch.equal(got, p.detach().to(torch.bfloat16))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import emapg
 from emapg import cli
@@ -71,8 +72,13 @@ def straight(tiny_model_dir, tmp_path_factory):
     return get
 
 
+BF16_ANCHOR = ("anchor.dtype=bfloat16",)  # a float32 policy beside a bfloat16 EMA anchor
+
+
 @pytest.mark.parametrize(
-    "point,extra", [("step", ()), ("checkpoint", ()), ("step", LORA)], ids=["step", "checkpoint", "step-lora"]
+    "point,extra",
+    [("step", ()), ("checkpoint", ()), ("step", LORA), ("step", BF16_ANCHOR)],
+    ids=["step", "checkpoint", "step-lora", "step-bf16-anchor"],
 )
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, straight, point, extra):
     env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1])}
@@ -94,6 +100,10 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, 
     assert records == want_records
     assert weights.keys() == want_weights.keys()
     assert all(torch.equal(weights[k], want_weights[k]) for k in weights)
+    if extra == BF16_ANCHOR:  # saved and restored in its own dtype
+        with safe_open(str(ckpts / "step_4" / "anchor.safetensors"), "pt") as f:
+            names = f.keys()  # a safetensors file handle, not a dict
+            assert {f.get_tensor(k).dtype for k in names} == {torch.bfloat16}
     if extra == LORA:  # the merged policy moved from the base: the adapters trained
         base = load_model_and_tokenizer(tiny_model_dir)[0].state_dict()
         assert any(not torch.equal(weights[k], base[k]) for k in weights)

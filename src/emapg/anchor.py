@@ -23,17 +23,31 @@ class Anchor:
     (training steps, as in the paper, or optimiser steps: the caller counts). The anchor holds one copy of the weights; updates are in-place lerps
     (torch._foreach_lerp_), so no second copy is allocated per step; sharded by FSDP, each rank
     lerps its own shards. Its parameters never require grad and are never seen by the optimiser.
+    In a dtype of its own (bfloat16 beside a float32 policy) each update is computed in the wider
+    dtype and rounded once; an update smaller than half the anchor's rounding step is lost there
+    (docs/training.md measures the drift this causes).
     """
 
-    def __init__(self, policy: nn.Module, eta: float, update_period: int, *, model: nn.Module | None = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        eta: float,
+        update_period: int,
+        *,
+        model: nn.Module | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         """`model`: a reference copy that already exists (e.g. TRL's ref_model) to use as the anchor
-        in place; by default the anchor deep-copies `policy`."""
+        in place; by default the anchor deep-copies `policy`. `dtype`: the anchor's own parameter
+        dtype (e.g. bfloat16 beside a float32 policy); by default the policy's."""
         if not 0.0 <= eta <= 1.0:
             raise EmapgError(f"anchor.eta must be in [0, 1]; got {eta}")
         if update_period < 1:
             raise EmapgError(f"anchor.update_period must be >= 1; got {update_period}")
         self.eta, self.update_period = eta, update_period
         self.model = (copy.deepcopy(policy) if model is None else model).eval().requires_grad_(False)
+        if dtype is not None:
+            self.model.to(dtype)
         self.updates = 0
 
     @contextmanager
@@ -54,7 +68,12 @@ class Anchor:
         theirs = [distributed.local(p.detach()) for p in policy.parameters()]
         if len(mine) != len(theirs):
             raise RuntimeError("anchor and policy have different parameter lists")
-        torch._foreach_lerp_(mine, theirs, 1.0 - self.eta)
+        if all(a.dtype == p.dtype for a, p in zip(mine, theirs, strict=True)):
+            torch._foreach_lerp_(mine, theirs, 1.0 - self.eta)
+        else:  # an anchor in its own dtype: lerp in the wider one, round once (one tensor at a time)
+            for a, p in zip(mine, theirs, strict=True):
+                wide = torch.promote_types(a.dtype, p.dtype)
+                a.copy_(torch.lerp(a.to(wide), p.to(wide), 1.0 - self.eta))
         self.updates += 1
         return True
 

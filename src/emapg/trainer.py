@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging
 from emapg import checkpoint, distributed, kl, lora, rollout_correction
 from emapg.advantages import group_advantages
 from emapg.anchor import Anchor
-from emapg.config import Config, recomputes_old_logp, rollout_dtype, to_dict, validate_world
+from emapg.config import Config, anchor_dtype, recomputes_old_logp, rollout_dtype, to_dict, validate_world
 from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
 from emapg.guards import step_is_finite
@@ -597,7 +597,7 @@ def make_anchor(cfg: Config, model: nn.Module) -> Anchor | AdapterAnchor | None:
     eta = 1.0 if cfg.anchor.kind == "frozen" else cfg.anchor.eta
     if cfg.lora.r:
         return AdapterAnchor(model, eta, cfg.anchor.update_period)
-    anchor = Anchor(model, eta, cfg.anchor.update_period)
+    anchor = Anchor(model, eta, cfg.anchor.update_period, dtype=getattr(torch, anchor_dtype(cfg)))
     distributed.shard(anchor.model)
     return anchor
 

@@ -89,3 +89,24 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         f.write('{"step": 1, "rew')
     with pytest.raises(EmapgError, match=r"metrics.jsonl:2: not a JSON object"):
         load_run(run)
+
+
+def test_off_policy_figures_show_only_where_runs_log_them(tmp_path):
+    """Runs with a recomputed pi_old log mismatch/kl and the correction's masked share: the table
+    gains a column (mean of the last steps; "-" for a group without it) and the plot two panels."""
+    plain = load_run(write_run(tmp_path, "hf", rows([0.2, 0.5], [0.1, 0.3])))
+    logged = rows([0.2, 0.5], [0.1, 0.3])
+    for r, value in zip(logged[1:], (2e-4, 4e-4), strict=True):
+        r |= {"mismatch/kl": value, "rollout_correction/masked_frac": 0.0}
+    vllm = load_run(write_run(tmp_path, "vllm", logged))
+    assert "mismatch" not in summary_table([plain])
+    table = summary_table([plain, vllm], window=2).splitlines()
+    assert table[0].endswith("| mismatch KL (last) |")
+    assert table[2].endswith("| - |") and table[3].endswith("| 0.000300 |")
+    assert len(plot([plain], tmp_path / "a.png").axes) == 5
+    fig = plot([plain, vllm], tmp_path / "b.png", smooth=1)
+    assert [ax.get_title() for ax in fig.axes][5:] == [
+        "engine/trainer KL (mu vs pi_old)",
+        "tokens masked by the correction",
+    ]
+    assert list(fig.axes[5].get_lines()[0].get_ydata()) == pytest.approx([2e-4, 4e-4])

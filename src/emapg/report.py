@@ -22,7 +22,11 @@ CURVES = (
     ("kl/value", "KL to the anchor"),
     ("entropy", "entropy"),
     ("response_length/mean", "response length"),
+    # Runs whose pi_old is recomputed (an engine other than the policy: docs/design.md, section 7)
+    ("mismatch/kl", "engine/trainer KL (mu vs pi_old)"),
+    ("rollout_correction/masked_frac", "tokens masked by the correction"),
 )
+OPTIONAL = {"mismatch/kl", "rollout_correction/masked_frac"}  # drawn only where some run logs them
 _SEED_SUFFIX = re.compile(r"[-_](seed|s)\d+$")
 
 
@@ -105,8 +109,12 @@ def groups(runs: list[Run]) -> dict[str, list[Run]]:
 
 def summary_table(runs: list[Run], threshold: float | None = None, window: int = 10) -> str:
     """Markdown: per group, mean ± std over seeds of the first and final held-out accuracy, of
-    reward and KL averaged over the last `window` steps, and of the steps to `threshold`."""
+    reward and KL (and, where runs log it, the engine/trainer mismatch KL) averaged over the last
+    `window` steps, and of the steps to `threshold`."""
     header = ["config", "seeds", "accuracy before", "accuracy after", "reward (last)", "KL (last)"]
+    mismatch = any("mismatch/kl" in r.series for r in runs)
+    if mismatch:
+        header.append("mismatch KL (last)")
     if threshold is not None:
         header.append(f"steps to {threshold:g}")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -130,6 +138,9 @@ def summary_table(runs: list[Run], threshold: float | None = None, window: int =
             _fmt(*_mean_std([_last(r, "reward/mean", window) for r in members]), 3, n),
             _fmt(*_mean_std([_last(r, "kl/value", window) for r in members]), 4, n),
         ]
+        if mismatch:
+            logged = [_last(r, "mismatch/kl", window) for r in members if "mismatch/kl" in r.series]
+            row.append(_fmt(*_mean_std(logged), 6, len(logged)) if logged else "-")
         if threshold is not None:
             reached = [s for s in (steps_to_threshold(r, threshold) for r in members) if s is not None]
             if not reached:
@@ -148,8 +159,9 @@ def plot(runs: list[Run], out: str | Path, smooth: int = 5):
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.4), constrained_layout=True)
-    for (metric, title), ax in zip(CURVES, axes, strict=True):
+    curves = [(m, t) for m, t in CURVES if m not in OPTIONAL or any(m in r.series for r in runs)]
+    fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4), constrained_layout=True)
+    for (metric, title), ax in zip(curves, axes, strict=True):
         for colour, (name, members) in enumerate(groups(runs).items()):
             # Evaluation is sparse and already an average: smoothing it would hide its steps.
             steps, values = aligned(members, metric, 1 if metric.startswith("eval/") else smooth)

@@ -8,7 +8,8 @@ MODEL is a local Hugging Face model directory (e.g. a Qwen2.5-0.5B-Instruct down
 
 Prints (1) for one batch, the max and mean |vLLM sampling log-prob - the HF model's
 log softmax(logits / T)| over the response tokens and how often vLLM's top-k set equals the HF
-one, first with the checkpoint's weights, then after one AdamW step on the HF model and a
+one, first with the checkpoint's weights (then the bfloat16 engine against a float32 trainer:
+benchmarks/rollout_mismatch.py's figures), then after one AdamW step on the HF model and a
 `sync_weights` (the engine follows the policy; tied embeddings included); (2) whether a
 sleep/wake cycle keeps the samples (with --sleep); (3) vLLM's sampling throughput; (4) with
 --steps N > 0, the mean seconds per training step with each engine (key=value overrides go to
@@ -64,6 +65,23 @@ def report_gap(label: str, model, out, temperature: float, k: int) -> None:
     )
 
 
+def mismatch_against_float32(args, out) -> None:
+    """The bfloat16 engine's samples against a float32 trainer's recomputed pi_old, the common GPU
+    set-up: the figures benchmarks/rollout_mismatch.py prints on CPU."""
+    from emapg.config import load_config
+    from emapg.models import load_model_and_tokenizer
+    from rollout_mismatch import header, mismatch_figures, row
+
+    policy = load_model_and_tokenizer(args.model, dtype=torch.float32)[0].cuda().eval()
+    cfg = load_config(
+        None, [f"model.path={args.model}", f"rollout.temperature={args.temperature}", f"kl.k={args.k}"]
+    )
+    print(header())
+    print(row("model", "bfloat16", mismatch_figures(cfg, policy, out.to("cuda"), args.k)))
+    del policy
+    torch.cuda.empty_cache()
+
+
 def engine_checks(args) -> None:
     from emapg.models import load_model_and_tokenizer
     from emapg.rollout.base import SamplingParams, encode_prompts
@@ -83,6 +101,7 @@ def engine_checks(args) -> None:
     engine.sync_weights(model, 0)
     out = engine.sample(ids, params)
     report_gap("checkpoint", model, out, args.temperature, args.k)
+    mismatch_against_float32(args, out)
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # one step: the policy moves
     model.train()

@@ -65,10 +65,8 @@ def load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The random model's shape (Qwen2.5-0.5B's by default) and its random prompts."""
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B: 24)")
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--heads", type=int, default=14)
@@ -78,31 +76,42 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt, BOS included")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def random_model(args, parser: argparse.ArgumentParser):
+    """The tokenizer, the random model of `args`' shape and `args.prompts` random prompts (ids
+    past the special tokens and the ASCII alphabet: the CJK padding)."""
+    if args.hidden // args.heads < 32:
+        parser.error("vLLM's CPU attention needs head_dim = hidden / heads >= 32")
+    base = build_tiny_tokenizer()
+    if args.vocab < len(base):
+        parser.error(f"--vocab must be at least the character tokenizer's {len(base)}")
+    tokenizer = build_tiny_tokenizer(extra_chars=cjk_padding(args.vocab - len(base)))
+    model = build_model(args, tokenizer)
+    g = torch.Generator().manual_seed(args.seed)
+    body = torch.randint(len(base), args.vocab, (args.prompts, args.prompt_len - 1), generator=g)
+    return tokenizer, model, [[tokenizer.bos_token_id, *row] for row in body.tolist()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_arguments(parser)
     parser.add_argument("--topk", type=int, default=32, help="top-k ids recorded per token")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine, after a warm-up")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (vLLM may bind its own)")
     parser.add_argument(
         "--kv-gib", type=int, default=1, help="vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"
     )
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.hidden // args.heads < 32:
-        parser.error("vLLM's CPU attention needs head_dim = hidden / heads >= 32")
     torch.set_num_threads(args.threads)
 
-    base = build_tiny_tokenizer()
-    if args.vocab < len(base):
-        parser.error(f"--vocab must be at least the character tokenizer's {len(base)}")
-    tokenizer = build_tiny_tokenizer(extra_chars=cjk_padding(args.vocab - len(base)))
     t = time.perf_counter()
-    model = build_model(args, tokenizer)
+    tokenizer, model, prompt_ids = random_model(args, parser)
     params = sum(p.numel() for p in model.parameters())
     built = time.perf_counter() - t
-
-    g = torch.Generator().manual_seed(args.seed)
-    first = len(base)  # ids past the special tokens and the ASCII alphabet: the CJK padding
-    body = torch.randint(first, args.vocab, (args.prompts, args.prompt_len - 1), generator=g)
-    prompt_ids = [[tokenizer.bos_token_id, *row] for row in body.tolist()]
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, topk=args.topk)
 
     print(

@@ -43,15 +43,12 @@ END = "<!-- study.py writes up to here -->"
 TASKS = {"arithmetic": ("quickstart", 0.4), "search": ("search_tiny", 0.5)}  # search: warm start ~0.44
 
 
-def run_one(task: str, variant: str, seed: int, steps: int | None, extra: list[str], out: Path) -> float:
-    """Train one run unless it already finished; returns its wall time in seconds (0: reused)."""
-    name = f"{task}-{variant}-seed{seed}"
-    base, _ = TASKS[task]
-    overrides = [*SHARED, *VARIANTS[variant], f"train.seed={seed}", f"train.name={name}",
-                 f"train.output_dir={out}", "train.progress=false", *extra]  # fmt: skip
-    if steps is not None:
-        overrides.append(f"train.steps={steps}")
-    cfg = load_config(base, overrides)
+def run_one(name: str, base: str, overrides: list[str], out: Path) -> float:
+    """Train run `name` (config `base` with `overrides`) under `out` unless it already finished;
+    returns its wall time in seconds (0: reused)."""
+    cfg = load_config(
+        base, [*overrides, f"train.name={name}", f"train.output_dir={out}", "train.progress=false"]
+    )
     done = list_checkpoints(out / name / "checkpoints")
     if done and done[-1].name == f"step_{cfg.train.steps}":
         return 0.0
@@ -92,13 +89,21 @@ def main() -> None:
     for task in args.tasks:
         base, threshold = TASKS[task]
         grid = [(variant, seed) for variant in VARIANTS for seed in range(args.seeds)]
+        names = [f"{task}-{variant}-seed{seed}" for variant, seed in grid]
+        budget = [f"train.steps={args.steps}"] if args.steps else []
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [
-                pool.submit(run_one, task, v, s, args.steps, args.overrides, args.out) for v, s in grid
+                pool.submit(
+                    run_one,
+                    name,
+                    base,
+                    [*SHARED, *VARIANTS[v], f"train.seed={s}", *budget, *args.overrides],
+                    args.out,
+                )  # fmt: skip
+                for name, (v, s) in zip(names, grid, strict=True)
             ]
             for future in futures:
                 future.result()  # re-raises a run's error
-        names = [f"{task}-{variant}-seed{seed}" for variant, seed in grid]
         runs = [load_run(args.out / n) for n in names]
         timed = [args.out / n / "wall_time.json" for n in names]
         walls = [json.loads(p.read_text())["seconds"] for p in timed if p.is_file()] or [0.0]

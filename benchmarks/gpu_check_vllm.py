@@ -84,14 +84,15 @@ def mismatch_against_float32(args, out) -> None:
 
 def engine_checks(args) -> None:
     from emapg.models import load_model_and_tokenizer
-    from emapg.rollout.base import SamplingParams, encode_prompts
+    from emapg.prompts import encode_prompts
+    from emapg.rollout.base import SamplingParams, eos_ids
     from emapg.rollout.vllm import VllmEngine
 
     model, tok = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
     model.cuda().eval()
     engine = VllmEngine(
         args.model, tok, dtype="bfloat16", seed=0, max_logprobs=args.k,
-        gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.sleep,
+        gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.sleep, eos_ids=eos_ids(model, tok),
     )  # fmt: skip
     prompts = [p for p in (PROMPTS * args.prompts)[: args.prompts] for _ in range(args.group)]
     ids = encode_prompts(tok, prompts)

@@ -28,7 +28,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from emapg.models import build_tiny_tokenizer
-from emapg.rollout import SamplingParams
+from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.vllm import VllmEngine
 
@@ -144,6 +144,7 @@ def main() -> None:
             gpu_memory_utilization=0.15,  # unused: VLLM_CPU_KVCACHE_SPACE is set
             enforce_eager=True,
             max_model_len=args.prompt_len + args.max_new_tokens,
+            eos_ids=eos_ids(model, tokenizer),
         )
         print(f"saved in {saved:.0f} s; vLLM engine built in {time.perf_counter() - t:.0f} s (enforce_eager)")
     hf = HFEngine(model, tokenizer, batch_size=args.prompts)

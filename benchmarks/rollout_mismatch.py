@@ -30,7 +30,8 @@ import torch
 
 from emapg import rollout_correction, trainer
 from emapg.config import load_config
-from emapg.rollout import SamplingParams, encode_prompts
+from emapg.prompts import encode_prompts
+from emapg.rollout import SamplingParams, eos_ids
 from emapg.tasks import make_task
 from rollout_engines import add_model_arguments, load_average, random_model
 
@@ -89,6 +90,7 @@ def measure(name: str, model_dir: str, model, tokenizer, prompt_ids, cfg, dtypes
         engine = VllmEngine(
             model_dir, tokenizer, dtype=dtype, seed=cfg.train.seed, max_logprobs=k, enforce_eager=True,
             gpu_memory_utilization=0.15, max_model_len=max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens,
+            eos_ids=eos_ids(model, tokenizer),
         )  # fmt: skip
         batch = engine.sample(prompt_ids, params)
         engine.close()

@@ -30,7 +30,8 @@ def _few_threads():
 
 def sample(model, tokenizer, prompts, *, batch_size=256, first_row=0, chat_template=True, **params):
     """The HF engine's responses to text prompts (rows first_row, first_row + 1, ...)."""
-    from emapg.rollout import SamplingParams, encode_prompts
+    from emapg.prompts import encode_prompts
+    from emapg.rollout import SamplingParams
     from emapg.rollout.hf import HFEngine
 
     params["stop"] = tuple(params.get("stop", ()))
@@ -44,30 +45,19 @@ def sample(model, tokenizer, prompts, *, batch_size=256, first_row=0, chat_templ
 def engine_old(batch):
     """pi_old taken from the engine that sampled `batch`, uncorrected (algo.old_logp=engine with
     algo.rollout_correction=none): what the update divides by when the engine is the policy."""
-    from emapg.trainer import OldPolicy
+    from emapg.update import OldPolicy
 
     return OldPolicy(
         batch.sampling_logp, batch.topk_ids, torch.ones_like(batch.sampling_logp), batch.response_mask
     )
 
 
-@pytest.fixture(autouse=True)
-def _restore_task_registry():
-    """Tasks a test registers are gone after it, so messages listing the registry stay exact."""
-    from emapg import tasks
-
-    saved = dict(tasks._FACTORIES)
-    yield
-    tasks._FACTORIES.clear()
-    tasks._FACTORIES.update(saved)
-
-
 # A small search run for a random tiny model: a 10-person world, 2 rounds, an 80-token context
 # cap (episodes end after different numbers of turns), 2 steps of k1 at beta 1 (nothing is
 # rewarded; k1's sampled gradient still gives every step a real update).
-SEARCH_ARGS = ["task.name=search", "retriever.world_people=10", "task.num_train=16", "task.num_eval=4",
-               "retriever.max_turns=2", "retriever.max_observation_tokens=20", "rollout.max_new_tokens=5",
-               "retriever.max_context=80", "train.steps=2", "kl.beta=1.0", "kl.estimator=k1"]  # fmt: skip
+SEARCH_ARGS = ["task.name=search", "task.world_people=10", "task.num_train=16", "task.num_eval=4",
+               "task.max_turns=2", "task.max_observation_tokens=20", "rollout.max_new_tokens=5",
+               "task.max_context=80", "train.steps=2", "kl.beta=1.0", "kl.estimator=k1"]  # fmt: skip
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 300) -> None:

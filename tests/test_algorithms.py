@@ -126,9 +126,9 @@ def test_anchor_is_never_touched_by_the_optimizer():
 
 
 def test_anchor_rejects_bad_settings():
-    with pytest.raises(EmapgError, match=r"anchor.eta must be in \[0, 1\]"):
+    with pytest.raises(EmapgError, match=r"anchor.eta: input should be less than or equal to 1"):
         Anchor(Tiny(), 1.5, 1)
-    with pytest.raises(EmapgError, match="anchor.update_period must be >= 1"):
+    with pytest.raises(EmapgError, match="anchor.update_period: input should be greater than or equal to 1"):
         Anchor(Tiny(), 0.9, 0)
 
 

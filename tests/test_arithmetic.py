@@ -33,7 +33,7 @@ def test_eval_set_does_not_move_when_train_grows() -> None:
 
 @pytest.mark.parametrize("op", ["+", "-", "*"])
 def test_answers_are_correct_and_operands_in_range(op: str) -> None:
-    task = ArithmeticTask(seed=0, num_train=500, num_eval=100, min_digits=2, max_digits=3, ops=(op,))
+    task = ArithmeticTask(seed=0, num_train=500, num_eval=100, min_digits=2, max_digits=3, ops=[op])
     fns = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
     for ex in task.train_examples() + task.eval_examples():
         a, b = ex.prompt.removesuffix("=").split(op)
@@ -77,6 +77,6 @@ def test_bad_settings_fail_with_a_clear_line() -> None:
     with pytest.raises(ValueError, match="min_digits"):
         ArithmeticTask(min_digits=3, max_digits=2)
     with pytest.raises(ValueError, match="ops"):
-        ArithmeticTask(ops=("/",))
+        ArithmeticTask(ops=["/"])
     with pytest.raises(ValueError, match="distinct problems"):
         ArithmeticTask(num_train=100, num_eval=0, max_digits=1)  # only 100 problems exist

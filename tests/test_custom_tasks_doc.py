@@ -5,9 +5,13 @@ import importlib.util
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
+import pytest
+
 from emapg import cli
+from emapg.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "custom-tasks.md").read_text()
@@ -28,7 +32,9 @@ def test_the_page_shows_the_shipped_files():
 
 
 def test_the_example_command_runs_and_prints_and_logs_what_the_page_says(tmp_path, monkeypatch, capsys):
-    (command,) = [line for b in blocks("bash") for line in b.splitlines() if "custom_task" in line]
+    (command,) = [
+        line for b in blocks("bash") for line in b.splitlines() if "custom_task/config.yaml" in line
+    ]
     argv = shlex.split(command)
     assert argv[:2] == ["emapg", "train"]
     expected = re.search(r"^eval/accuracy .*$", PAGE, flags=re.M)[0]  # the line the page shows
@@ -73,3 +79,41 @@ def test_the_example_command_runs_and_prints_and_logs_what_the_page_says(tmp_pat
         exact = rewards.exact([s["prompt"]], [s["response"]], [s["answer"]])[0]
         digits = rewards.digits([s["prompt"]], [s["response"]], [s["answer"]])[0]
         assert abs(s["reward"] - (exact + 0.5 * (digits or 0.0))) < 1e-9
+
+
+@pytest.fixture
+def sums_commands(monkeypatch):
+    """The page's two commands for the task with its own settings; what `--import` registers is
+    gone after the test."""
+    monkeypatch.chdir(ROOT)
+    commands = [shlex.split(line) for b in blocks("bash") for line in b.splitlines() if "sums.py" in line]
+    with TASKS.registered("sums", lambda cfg: None):
+        yield commands
+    sys.modules.pop("sums", None)
+
+
+def test_the_page_shows_the_shipped_task_with_its_own_settings():
+    assert (EXAMPLE / "sums.py").read_text() in blocks("python")
+
+
+def test_a_task_with_its_own_settings_is_set_from_the_command_line_and_trains(
+    sums_commands, tmp_path, tiny_model_dir, capsys
+):
+    from test_trainer import FAST
+
+    train, _ = sums_commands
+    assert train[:2] == ["emapg", "train"] and "task.terms=3" in train
+    fast = [f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", *FAST, "train.name=sums"]
+    assert cli.main([*train[1:], *fast, "train.steps=2"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"run: {tmp_path / 'sums'}")
+    saved = (tmp_path / "sums" / "config.yaml").read_text()
+    assert "name: sums" in saved and "terms: 3" in saved
+    records = [json.loads(line) for line in (tmp_path / "sums" / "samples.jsonl").read_text().splitlines()]
+    assert all(r["prompt"].count("+") == 2 for r in records)  # three terms per problem
+
+
+def test_a_bad_value_of_its_own_setting_stops_with_the_line_the_page_shows(sums_commands, capsys):
+    _, bad = sums_commands
+    assert cli.main(bad[1:]) == 2
+    shown = re.search(r"^# (emapg: error: task\.terms.*)$", PAGE, flags=re.M)[1]
+    assert capsys.readouterr().err.strip() == shown

@@ -8,10 +8,9 @@ import pytest
 from emapg import trainer
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_tokenizer
+from emapg.prompts import ChatPrompt, encode_prompts
 from emapg.rewards import RewardScorer
-from emapg.rollout import encode_prompts
 from emapg.tasks import make_task
-from emapg.tasks.base import ChatPrompt
 from emapg.tasks.dataset import load_rows
 from emapg.tasks.math import PROMPT
 from test_trainer import config

@@ -19,15 +19,16 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import SEARCH_ARGS, torchrun
 from emapg import cli
-from emapg.config import load_config, validate_world
+from emapg.config import load_config
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_model, build_tiny_tokenizer
 from emapg.sft import sft
 from emapg.tasks.arithmetic import ArithmeticTask
+from emapg.tasks.search import TINY_EXTRA_CHARS
 
 ETA, PERIOD, STEPS = 0.5, 2, 4
 TASK = ["task.num_train=40", "task.num_eval=5", "task.min_digits=1", "task.max_digits=1"]
-ARGS = [*TASK, "eval.samples=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
+ARGS = ["eval.samples=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=4", "algo.micro_batch_size=3", "algo.minibatches=2", "train.progress=false",
         "train.tensorboard=false", "train.eval_every=2", "train.save_every=1", "train.keep_checkpoints=10",
         "train.threads=1", "optim.lr=1e-2", "kl.beta=0.1", "kl.k=4", f"anchor.eta={ETA}",
@@ -52,8 +53,8 @@ def _torchrun(nproc: int, *args: str) -> None:
     torchrun(nproc, "-m", "emapg", "train", *args)
 
 
-def _args(model_dir, out, *extra):
-    return [f"model.path={model_dir}", f"train.output_dir={out}", *ARGS, *extra]
+def _args(model_dir, out, *extra, task=TASK):
+    return [f"model.path={model_dir}", f"train.output_dir={out}", *task, *ARGS, *extra]
 
 
 def _records(out: Path) -> list[dict]:
@@ -150,18 +151,17 @@ def test_sharded_checkpoint_does_not_resume_in_one_process(model_dir, two, capsy
 def test_what_multi_process_training_cannot_do_stops_with_one_line(section, key, value, message):
     cfg = load_config(None, [])
     setattr(getattr(cfg, section), key, value)
-    validate_world(cfg, 1)  # one process: not this check's business
+    cfg.check_world(1)  # one process: not this check's business
     with pytest.raises(EmapgError) as raised:
-        validate_world(cfg, 2)
+        cfg.check_world(2)
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
 
 
 @pytest.fixture(scope="module")
 def search_model_dir(tmp_path_factory):
     """A random tiny Llama whose tokenizer has the search tags' characters."""
-    from emapg.tasks.search import SearchTask
 
-    tokenizer = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tokenizer = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     model = build_tiny_model(
         tokenizer, hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=128
     )
@@ -178,8 +178,8 @@ def test_search_in_two_processes_equals_one_process(search_model_dir, tmp_path):
     # The random model earns no reward: k1's sampled gradient (non-zero where policy and anchor
     # agree) gives every step a real update to compare, where noise amplified by Adam would not.
     extra = [*SEARCH_ARGS, f"warmstart.cache_dir={tmp_path / 'cache'}"]
-    _torchrun(2, *_args(search_model_dir, tmp_path / "two", *extra))
-    assert cli.main(["train", *_args(search_model_dir, tmp_path / "one", *extra)]) == 0
+    _torchrun(2, *_args(search_model_dir, tmp_path / "two", *extra, task=()))
+    assert cli.main(["train", *_args(search_model_dir, tmp_path / "one", *extra, task=())]) == 0
     one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
     assert [r["step"] for r in two] == [0, 1, 2] and one[-1]["search/calls_mean"] >= 0
     for a, b in zip(one, two, strict=True):

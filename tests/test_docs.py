@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg.config import REGENERATE, markdown_reference
+from emapg.config_reference import REGENERATE, markdown_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -34,21 +34,30 @@ def test_regenerate_command_prints_the_reference():
         "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
     }
     out = subprocess.run(
-        [sys.executable, "-m", "emapg.config"], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-m", "emapg.config_reference"], capture_output=True, text=True, env=env, check=True
     ).stdout
     assert out == markdown_reference()
 
 
-def test_reference_lists_every_field_once():
-    import dataclasses
-
-    from emapg.config import Config
+def test_reference_lists_every_field_of_every_section_and_choice_once():
+    """A table per section, and per registered task and engine with settings of their own; every
+    field of each settings class once in its table."""
+    from emapg.config import SELECTED, Config
 
     text = markdown_reference()
-    for section in dataclasses.fields(Config):
-        assert f"\n## {section.name}\n" in text
-        for f in dataclasses.fields(section.default_factory()):
-            assert text.count(f"| `{section.name}.{f.name}` |") == 1, f"{section.name}.{f.name}"
+    tables = {block.split("\n", 1)[0]: block for block in re.split(r"\n#{2,3} ", text)[1:]}
+    for name, field in Config.model_fields.items():
+        if name not in SELECTED:
+            classes = {name: field.default_factory}
+        else:
+            registry, key = SELECTED[name]
+            classes = {name: registry.base} | {f"{name}.{key}={c}": e.config for c, e in registry.items()}
+        for title, cls in classes.items():
+            own = [f for f in cls.model_fields if title == name or f not in classes[name].model_fields]
+            if own:
+                assert title in tables, title
+            for f in own:
+                assert tables[title].count(f"| `{name}.{f}` |") == 1, f"{title}: {name}.{f}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

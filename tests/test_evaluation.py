@@ -6,10 +6,10 @@ import math
 import pytest
 
 from emapg.cli import main
-from emapg.evaluation import ks, pass_at_k, summarize
+from emapg.math_eval import ks, pass_at_k, summarize
 from emapg.models import build_tiny_model, build_tiny_tokenizer
 from emapg.sft import sft
-from emapg.tasks.math import MathTask
+from emapg.tasks.math import TINY_EXTRA_CHARS, MathTask, warm_start
 from emapg.tasks.math_data import load_problems
 
 
@@ -57,9 +57,9 @@ def boxed_model_dir(tmp_path_factory):
     data = path / "three.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
     task = MathTask(load_problems(data), [])
-    tokenizer = build_tiny_tokenizer(MathTask.tiny_extra_chars)
+    tokenizer = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     model = build_tiny_model(tokenizer, max_position_embeddings=192, seed=0)
-    sft(model, tokenizer, task.sft_examples(), steps=40, batch_size=3, lr=3e-3, progress=False)
+    sft(model, tokenizer, warm_start(task).examples, steps=40, batch_size=3, lr=3e-3, progress=False)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path, data
@@ -76,7 +76,7 @@ def test_eval_end_to_end_figures_match_the_responses(boxed_model_dir, tmp_path, 
     assert [(r["problem"], r["sample"]) for r in rows] == [(p, s) for p in range(3) for s in range(2)]
     assert {r["reference"] for r in rows} == {p["answer"] for p in PROBLEMS}
     # Recompute every figure from the written responses, grading them again.
-    from emapg.tasks.math import score
+    from emapg.tasks.math_grader import score
 
     assert [r["score"] for r in rows] == [score(r["response"], r["reference"]) for r in rows]
     correct = [sum(r["score"] == 1.0 for r in rows if r["problem"] == p) for p in range(3)]

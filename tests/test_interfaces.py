@@ -6,16 +6,16 @@ import json
 import pytest
 import torch
 
-from emapg import trainer
+from emapg import metrics, trainer
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_tokenizer, load_model_and_tokenizer
 from emapg.rollout import Rollout, RolloutEngine, SamplingParams, left_pad
 from emapg.rollout.hf import HFEngine
-from emapg.rollout.multiturn import Environment, run_episodes, sample_examples
+from emapg.rollout.multiturn import run_episodes, sample_examples
 from emapg.search.environment import INVALID_ACTION, SearchEnvironment, information_block
-from emapg.tasks import make_task, register_task, task_names
-from emapg.tasks.base import Example, Task
-from emapg.tasks.search import SearchTask
+from emapg.tasks import TASKS, ProblemSettings, make_task, task_names
+from emapg.tasks.base import Environment, Example, Task
+from emapg.tasks.search import TINY_EXTRA_CHARS
 from test_trainer import config
 
 
@@ -142,7 +142,7 @@ class ScriptedRetriever:
 def test_search_r1_episode_rules_turn_limit_truncation_invalid_message_and_context_cap():
     """Search-R1's rules: 24 new tokens per turn, inserted text cut to 30 tokens, prompt + episode
     capped at 140 tokens, two rounds with the environment, then a final answer turn."""
-    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)  # one token per character
+    tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)  # one token per character
     docs = {q: {"id": q, "contents": f"{q}\n{q} lives in nube, boss kaso."} for q in ("gida", "nube")}
     retriever = ScriptedRetriever(docs)
     env = SearchEnvironment(
@@ -222,11 +222,12 @@ class EchoTask(Task):
 
 
 def test_the_registry_trains_a_users_task(tmp_path, tiny_model_dir):
-    register_task("echo", lambda cfg: EchoTask())
-    assert "echo" in task_names()
-    cfg = config(tmp_path, tiny_model_dir, "task.name=echo", "train.steps=2", "train.eval_every=1")
-    assert isinstance(make_task(cfg), EchoTask)
-    trainer.train(cfg)
+    with TASKS.registered("echo", lambda cfg: EchoTask(), ProblemSettings):  # FAST sets task.num_*
+        assert "echo" in task_names()
+        cfg = config(tmp_path, tiny_model_dir, "task.name=echo", "train.steps=2", "train.eval_every=1")
+        assert isinstance(make_task(cfg), EchoTask)
+        trainer.train(cfg)
+    assert "echo" not in task_names()  # registered for the block only
     records = [
         json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -241,20 +242,22 @@ def test_the_registry_trains_a_users_task(tmp_path, tiny_model_dir):
 
 
 def test_an_unknown_task_or_a_factory_returning_no_task_stops_with_one_line(tmp_path, tiny_model_dir):
-    with pytest.raises(
-        EmapgError, match=r"task.name: unknown 'ecko' \(did you mean 'echo'\?\); registered: "
+    with (
+        TASKS.registered("echo", lambda cfg: EchoTask(), ProblemSettings),
+        pytest.raises(EmapgError, match=r"task.name: unknown 'ecko' \(did you mean 'echo'\?\); registered: "),
     ):
-        register_task("echo", lambda cfg: EchoTask())
         config(tmp_path, tiny_model_dir, "task.name=ecko")
-    register_task("not_a_task", lambda cfg: object())
-    with pytest.raises(EmapgError, match="task 'not_a_task': its factory returned object, not an emapg Task"):
+    with (
+        TASKS.registered("not_a_task", lambda cfg: object(), ProblemSettings),
+        pytest.raises(EmapgError, match="task 'not_a_task': its factory returned object, not an emapg Task"),
+    ):
         make_task(config(tmp_path, tiny_model_dir, "task.name=not_a_task"))
 
 
 def test_phase_timer_counts_nested_phases_once(monkeypatch):
     clock = iter([0.0, 1.0, 3.0, 10.0, 10.0, 12.0])
-    monkeypatch.setattr(trainer.time, "perf_counter", lambda: next(clock))
-    timer = trainer.PhaseTimer()
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    timer = metrics.PhaseTimer()
     with timer("update"), timer("ema"):  # update 0 .. 10, of which the EMA is 1 .. 3
         pass
     with timer("scoring"):  # 10 .. 12

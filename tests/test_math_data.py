@@ -6,10 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from emapg.config import MATH_SCHEMAS
 from emapg.errors import EmapgError
-from emapg.tasks.math import score
 from emapg.tasks.math_data import EXPECTED, SCHEMA_NAMES, Problem, load_problems
+from emapg.tasks.math_grader import score
 
 GSM8K = [
     {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
@@ -221,6 +220,11 @@ def test_a_wrong_explicit_schema_names_file_record_and_fields(tmp_path, records,
 
 
 def test_schema_names_and_the_config_choices():
-    assert MATH_SCHEMAS == SCHEMA_NAMES == ("auto", "olympiadbench", "gsm8k", "qwen_math", "math500", "math")
+    from typing import get_args
+
+    from emapg.tasks.math import MathSettings
+
+    assert get_args(MathSettings.model_fields["schema"].annotation) == SCHEMA_NAMES
+    assert SCHEMA_NAMES == ("auto", "olympiadbench", "gsm8k", "qwen_math", "math500", "math")
     with pytest.raises(EmapgError, match=r"^math data: unknown schema 'aime'; expected one of auto, "):
         load_problems("any.jsonl", "aime")

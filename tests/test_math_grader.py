@@ -9,8 +9,7 @@ import pytest
 from math_verify import parse, verify
 
 from emapg.tasks import math_grader
-from emapg.tasks.math import score
-from emapg.tasks.math_grader import MAX_ANSWER_CHARS, _parse, _small_value, has_boxed_answer
+from emapg.tasks.math_grader import MAX_ANSWER_CHARS, _parse, _small_value, has_boxed_answer, score
 
 # (response, reference, expected score), each written and judged by hand.
 CASES = [

@@ -12,8 +12,9 @@ from emapg.data import math_samples
 from emapg.errors import EmapgError
 from emapg.models import ALPHABET, build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.base import Example
-from emapg.tasks.math import PROMPT, SAMPLE_EVAL, SAMPLE_TRAIN, MathTask, score
+from emapg.tasks.math import PROMPT, SAMPLE_EVAL, SAMPLE_TRAIN, TINY_EXTRA_CHARS, MathTask, warm_start
 from emapg.tasks.math_data import Problem, load_problems
+from emapg.tasks.math_grader import score
 
 PROBLEMS = [Problem("What is 1/2?", "\\frac{1}{2}", "d", 0), Problem("Add.", "So \\boxed{7}.", "d", 1)]
 
@@ -31,12 +32,12 @@ def test_score_with_and_without_format_reward():
 
 def test_warm_start_targets_are_boxed_answers_or_the_solution():
     task = MathTask(PROBLEMS, [], prompt="Q: {question} A:")
-    assert [(e.prompt, e.answer) for e in task.sft_examples()] == [
+    assert [(e.prompt, e.answer) for e in warm_start(task).examples] == [
         ("Q: What is 1/2? A:", "\\boxed{\\frac{1}{2}}"),
         ("Q: Add. A:", "So \\boxed{7}."),
     ]
     # what the warm start's accuracy check does: score a target against its own example
-    assert all(task.score(e.answer, e) == 1.0 for e in task.sft_examples())
+    assert all(task.score(e.answer, e) == 1.0 for e in warm_start(task).examples)
     with pytest.raises(EmapgError, match=r"prompt template must contain \{question\}"):
         MathTask(PROBLEMS, [], prompt="no slot")
 
@@ -72,9 +73,9 @@ def test_shipped_samples_are_the_generators_output_and_correct(tmp_path):
     for p in problems:
         assert score(f"\\boxed{{{math_samples.latex(_solve(p.question))}}}", p.reference) == 1.0, p
     # every character of prompts and boxed answers is in the built-in tokenizer's alphabet
-    known = set(ALPHABET + MathTask.tiny_extra_chars)
+    known = set(ALPHABET + TINY_EXTRA_CHARS)
     task = MathTask(problems, [])
-    assert {c for e in task.sft_examples() for c in e.prompt + e.answer} <= known
+    assert {c for e in warm_start(task).examples for c in e.prompt + e.answer} <= known
 
 
 def test_config_selects_math_with_shipped_data_and_caps():
@@ -103,9 +104,9 @@ def test_config_data_files_and_validation(tmp_path):
     assert trainer.make_task(forced).eval_examples()[0].answer == "so\n#### 5"
     bad = {
         "task.train_files=[nope.jsonl]": "task.train_files: 'nope.jsonl' does not exist",
-        "task.format_reward=1": "task.format_reward must be in [0, 1)",
+        "task.format_reward=1": "task.format_reward: input should be less than 1; got 1",
         "task.schema=aime": "task.schema: unknown 'aime'; expected one of auto, olympiadbench, gsm8k, qwen_math, math500, math",
-        "task.prompt=x": "task.prompt must contain {question}",
+        "task.prompt=x": "task.prompt: the prompt template must contain {question}; got 'x'",
         "task.name=maths": "task.name: unknown 'maths' (did you mean 'math'?); registered: arithmetic, dataset, math, search",
     }
     for override, message in bad.items():
@@ -118,7 +119,7 @@ def test_math_qwen_needs_its_model_path_and_has_the_papers_settings(tmp_path):
     with pytest.raises(EmapgError) as e:
         load_config("math_qwen")
     assert str(e.value) == (
-        "model.path '/path/to/Qwen2.5-Math-1.5B' does not exist; set model.path=DIR to a local model directory"
+        "model.path: '/path/to/Qwen2.5-Math-1.5B' does not exist; set model.path=DIR to a local model directory"
     )
     cfg = load_config("math_qwen", [f"model.path={tmp_path}"])
     assert (cfg.optim.lr, cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.rollout.temperature) == (

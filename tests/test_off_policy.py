@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import sample
-from emapg import trainer
-from emapg.config import load_config, recomputes_old_logp
+from emapg import trainer, update
+from emapg.config import load_config
 from emapg.errors import EmapgError
 from emapg.models import load_model_and_tokenizer
 from emapg.rollout_correction import correct
@@ -69,7 +69,7 @@ def test_top_p_weights_are_the_nucleus_mass_exactly(tiny_model_dir):
     torch.manual_seed(0)
     batch = sample(model, tokenizer, ["12+34=", "5+6=", "70+8="] * 4, max_new_tokens=5, top_p=0.7)
     cfg = load_config(None, ["rollout.top_p=0.7"])
-    old_logp, _ = trainer.recompute_old_logp(cfg, model, batch, 0)
+    old_logp, _ = update.recompute_old_logp(cfg, model, batch, 0)
     weight = correct(old_logp, batch.sampling_logp, batch.response_mask, "token_tis", 1e9).weight
     with torch.no_grad():
         logits = model(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits
@@ -108,15 +108,18 @@ def test_bfloat16_training_end_to_end_through_the_hf_engine(tmp_path, tiny_model
     ],
 )
 def test_when_pi_old_is_recomputed(overrides, recompute):
-    assert recomputes_old_logp(load_config(None, overrides)) is recompute
+    assert load_config(None, overrides).recomputes_old_logp is recompute
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.dtype=bfloat16"], r"^rollout.dtype=bfloat16 needs rollout.engine=vllm"),
+        (
+            ["rollout.dtype=bfloat16"],
+            r"^unknown config key 'rollout.dtype': a setting of rollout.engine=vllm",
+        ),
         (["algo.old_logp=engine", "rollout.top_p=0.9"], r"^algo.old_logp=engine with rollout.top_p < 1"),
-        (["algo.rollout_correction_cap=1"], r"^algo.rollout_correction_cap must be > 1"),
+        (["algo.rollout_correction_cap=1"], r"^algo.rollout_correction_cap: input should be greater than 1"),
         (["algo.rollout_correction=tis"], r"^algo.rollout_correction: unknown 'tis'"),
         (["algo.old_logp=trainer"], r"^algo.old_logp: unknown 'trainer'"),
         (["lora.r=8", "anchor.dtype=bfloat16"], r"^anchor.dtype=bfloat16: with LoRA"),

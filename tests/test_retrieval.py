@@ -102,16 +102,18 @@ def test_server_refuses_more_queries_than_its_limit_with_413(world_corpus):
         message = str(e.value)
         assert "\n" not in message and "HTTP 413" in message
         assert f"at most {MAX_QUERIES} queries per request, got 5000" in message
-        assert "retriever.max_queries_per_request" in message
+        assert "task.max_queries_per_request" in message
         assert counting.sizes == []  # refused before retrieving anything
     finally:
         srv.shutdown()
 
 
 def test_max_queries_settings_are_checked(tmp_path, capsys):
-    with pytest.raises(EmapgError, match="retriever.max_queries_per_request must be >= 1"):
-        load_config(None, ["retriever.max_queries_per_request=0"])
-    assert load_config(None, []).retriever.max_queries_per_request <= MAX_QUERIES
+    with pytest.raises(
+        EmapgError, match="task.max_queries_per_request: input should be greater than or equal to 1"
+    ):
+        load_config("search_tiny", ["task.max_queries_per_request=0"])
+    assert load_config("search_tiny", []).task.max_queries_per_request <= MAX_QUERIES
     with pytest.raises(EmapgError, match="max_queries must be >= 1"):
         HttpRetriever("http://127.0.0.1:1/retrieve", max_queries=0)
     corpus = tmp_path / "c.jsonl"

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from emapg.errors import EmapgError
-from emapg.rewards import RewardScorer, score_one
+from emapg.rewards import RewardScorer, score_detail
 from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.base import Example
 
@@ -38,6 +38,11 @@ class HostileTask:
 
 
 EX = Example("1+1=", "2")
+
+
+def score_one(score, response, example):
+    """(reward, None), or (0.0, what went wrong)."""
+    return score_detail(score, response, example, (0.0, 1.0))[:2]
 
 
 def test_score_one_checks_value_and_exceptions():
@@ -118,15 +123,15 @@ def test_evaluation_goes_through_the_guarded_scorer(tmp_path, tiny_model_dir, ra
 
     from emapg import trainer
     from emapg.config import load_config
-    from emapg.tasks import register_task
+    from emapg.tasks import TASKS
 
-    register_task("raising", lambda cfg: RaisingArithmetic(raises))
-    cfg = load_config(
-        None,
-        [f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", "task.name=raising",
-         "task.reward_isolation=inline", "rollout.max_new_tokens=3", "eval.greedy=true", "train.tensorboard=false"],
-    )  # fmt: skip
-    run = trainer.setup(cfg, False, torch.device("cpu"))
+    with TASKS.registered("raising", lambda cfg: RaisingArithmetic(raises)):
+        cfg = load_config(
+            None,
+            [f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", "task.name=raising",
+             "task.reward_isolation=inline", "rollout.max_new_tokens=3", "eval.greedy=true", "train.tensorboard=false"],
+        )  # fmt: skip
+        run = trainer.setup(cfg, False, torch.device("cpu"))
     try:
         accuracy, _ = trainer.evaluate(run, 0)
     finally:

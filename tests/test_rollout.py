@@ -53,7 +53,7 @@ def test_greedy_is_deterministic(tiny_model_dir):
 
 
 def test_chat_template_is_applied_without_a_second_bos(tiny_model_dir):
-    from emapg.rollout import encode_prompts
+    from emapg.prompts import encode_prompts
 
     _, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     plain = tokenizer(["1+1="])["input_ids"]

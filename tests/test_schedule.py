@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import engine_old, sample
-from emapg import trainer
-from emapg.models import load_model_and_tokenizer
+from emapg import trainer, update
+from emapg.metrics import PhaseTimer
+from emapg.models import checkpoint_activations, load_model_and_tokenizer
 from test_trainer import config
 
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "1+1=", "2+3="]
@@ -18,14 +19,14 @@ PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "1+1=", "2+3="]
 def _grads_after_update(cfg, model, batch, advantages, checkpointing=False):
     """The gradient one update leaves (lr 0: the weights stay), and its statistics."""
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     model.train()
     run = SimpleNamespace(
         cfg=cfg, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         scheduler=SimpleNamespace(step=lambda: None), state=trainer.TrainerState(), anchor=None,
     )  # fmt: skip
     torch.manual_seed(0)
-    stats = trainer.update(run, batch, advantages, engine_old(batch), None, trainer.PhaseTimer())
+    stats = update.update(run, batch, advantages, engine_old(batch), None, PhaseTimer())
     return [p.grad.clone() for p in model.parameters()], stats
 
 
@@ -51,7 +52,7 @@ def test_token_budget_micro_batches_give_the_fixed_count_gradients(
     )
     for extra in ("algo.micro_batch_size=4", f"algo.micro_batch_tokens={2 * int(lengths.max())}"):
         cfg = config(tmp_path, tiny_model_dir, *common, extra)
-        plan = trainer.micro_batches(cfg, batch, torch.arange(len(PROMPTS)))
+        plan = update.micro_batches(cfg, batch, torch.arange(len(PROMPTS)))
         assert len(plan) > 1 and sorted(torch.cat(plan).tolist()) == list(range(len(PROMPTS)))
         got, stats = _grads_after_update(cfg, load_model_and_tokenizer(tiny_model_dir)[0], batch, advantages)
         for g, w in zip(got, want, strict=True):
@@ -64,7 +65,7 @@ def test_token_budget_packs_rows_in_order_up_to_the_budget(tmp_path, tiny_model_
     lengths = batch.attention_mask.sum(-1).tolist()
     budget = 2 * max(lengths)
     cfg = config(tmp_path, tiny_model_dir, f"algo.micro_batch_tokens={budget}")
-    plan = trainer.micro_batches(cfg, batch, torch.arange(len(PROMPTS)))
+    plan = update.micro_batches(cfg, batch, torch.arange(len(PROMPTS)))
     assert torch.cat(plan).tolist() == list(range(len(PROMPTS)))  # in order, each row once
     for i, part in enumerate(plan):
         rows = part.tolist()
@@ -102,7 +103,7 @@ def test_overlong_masking_leaves_cut_responses_out_of_the_loss(tmp_path, tiny_mo
     loss.backward()
     for g, p in zip(got, model.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
-    assert stats["loss/policy"] == pytest.approx(float(loss), rel=1e-5)
+    assert stats["loss/policy"] == pytest.approx(float(loss.detach()), rel=1e-5)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, tiny_model_dir, rollout):

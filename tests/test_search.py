@@ -23,7 +23,8 @@ from emapg.config import Config, load_config
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_model, build_tiny_tokenizer
 from emapg.policy_loss import aggregate
-from emapg.rollout import SamplingParams, encode_prompts, eos_ids
+from emapg.prompts import encode_prompts
+from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.multiturn import run_episodes
 from emapg.search.answers import INVALID_ACTION, exact_match, f1, last_tag, normalize_answer, turn_action
@@ -33,8 +34,8 @@ from emapg.search.server import make_server
 from emapg.search.world import build_world, questions, write_corpus
 from emapg.sft import IGNORE_INDEX, sft_batch
 from emapg.tasks.base import Example
-from emapg.tasks.search import SearchTask, final_answer, load_parquet
-from emapg.trainer import token_losses
+from emapg.tasks.search import TINY_EXTRA_CHARS, SearchTask, final_answer, load_parquet
+from emapg.update import token_losses
 
 
 def search_rollout(model, tok, prompts, retriever, *, docs_per_search, max_turns, **params):
@@ -281,7 +282,7 @@ class DictRetriever:
 
 
 def test_scripted_two_turn_episode_masks_exactly_the_inserted_tokens():
-    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     base = build_tiny_model(tok, max_position_embeddings=256)
     model = ScriptedLM(base.config)
     model.generation_config = base.generation_config
@@ -325,7 +326,7 @@ def test_scripted_two_turn_episode_masks_exactly_the_inserted_tokens():
 
 
 def test_search_limit_ends_the_episode():
-    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     base = build_tiny_model(tok, max_position_embeddings=256)
     model = ScriptedLM(base.config)
     model.generation_config, model.tokenizer = base.generation_config, tok
@@ -355,7 +356,7 @@ class NoisyAtMasked(torch.nn.Module):
 
 def test_loss_and_kl_ignore_masked_tokens():
     torch.manual_seed(0)
-    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     policy = build_tiny_model(tok, max_position_embeddings=64, seed=1)
     anchor = build_tiny_model(tok, max_position_embeddings=64, seed=2)
     n, p, length, vocab = 3, 4, 10, len(tok)
@@ -373,7 +374,7 @@ def test_loss_and_kl_ignore_masked_tokens():
     cfg = Config()
     cfg.kl.k = 4
     from emapg.anchor import Anchor
-    from emapg.trainer import anchor_pass
+    from emapg.update import anchor_pass
 
     old = engine_old(batch)
     ref = anchor_pass(cfg, Anchor(anchor, 1.0, 1), batch, old, vocab)
@@ -397,7 +398,7 @@ def test_loss_and_kl_ignore_masked_tokens():
 
 
 def test_sft_masks_inserted_information():
-    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     segments = [
         ("<search>a</search>", True),
         ("\n<information>x</information>\n", False),
@@ -450,7 +451,7 @@ def test_the_datas_prompt_column_is_the_prompt(tmp_path, world):
     task = SearchTask(world[1], loaded, loaded, instruction="Q: ")
     assert [e.prompt for e in task.train_examples() + task.eval_examples()] == [full, full]
     # Encoded as Search-R1's loader does: the chat template when the tokenizer has one.
-    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<a>"
     assert tok.decode(encode_prompts(tok, [full])[0]) == f"<user>{full}<a>"
     assert tok.decode(encode_prompts(tok, [full], chat_template=False)[0], skip_special_tokens=True) == full
@@ -476,11 +477,11 @@ def test_the_episode_cap_must_fit_the_models_context():
     from emapg.trainer import check_context
 
     cfg = load_config("search_tiny")
-    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256))
     examples = [Example("who?\n", "a", {})]
     task = SearchTask(DictRetriever({}), [], [], max_context=320)
-    with pytest.raises(EmapgError, match=r"max_context=320 \(retriever.max_context .* context of 256$"):
+    with pytest.raises(EmapgError, match=r"max_context=320 \(task.max_context .* context of 256$"):
         check_context(cfg, model, tok, examples, task)
     task.max_context = 60  # a 6-token prompt and a 64-token turn do not fit
     with pytest.raises(EmapgError, match="max_new_tokens=64 it exceeds the episode cap max_context=60$"):
@@ -491,17 +492,17 @@ def test_the_episode_cap_must_fit_the_models_context():
 
 def test_search_config_validation(tmp_path):
     assert load_config("search_tiny").task.name == "search"
-    with pytest.raises(EmapgError, match="retriever.train_file: '/path/to/train.parquet' does not exist"):
-        load_config("search_qwen")  # the placeholders must be set
+    with pytest.raises(EmapgError, match="task.train_file: '/path/to/train.parquet' does not exist"):
+        load_config("search_qwen", [f"model.path={tmp_path}"])  # the placeholders must be set
     files = [tmp_path / n for n in ("t.parquet", "e.parquet", "c.jsonl")]
     for f in files:
         f.touch()
-    keys = ("retriever.train_file", "retriever.eval_file", "retriever.corpus")
+    keys = ("task.train_file", "task.eval_file", "task.corpus")
     qwen = load_config(
         "search_qwen", [f"model.path={tmp_path}"] + [f"{k}={f}" for k, f in zip(keys, files, strict=True)]
     )
-    assert (qwen.retriever.topk, qwen.retriever.max_turns, qwen.rollout.group_size) == (3, 4, 5)
-    with pytest.raises(EmapgError, match="retriever.train_file and retriever.eval_file"):
-        load_config("search_tiny", ["retriever.train_file=x.parquet"])
-    with pytest.raises(EmapgError, match="retriever.topk"):
-        load_config("search_tiny", ["retriever.topk=0"])
+    assert (qwen.task.topk, qwen.task.max_turns, qwen.rollout.group_size) == (3, 4, 5)
+    with pytest.raises(EmapgError, match="task.train_file and task.eval_file"):
+        load_config("search_tiny", ["task.train_file=x.parquet"])
+    with pytest.raises(EmapgError, match="task.topk"):
+        load_config("search_tiny", ["task.topk=0"])

@@ -22,7 +22,7 @@ from emapg.sft import (
     warm_start,
 )
 from emapg.tasks.arithmetic import ArithmeticTask
-from emapg.tasks.base import Example
+from emapg.tasks.base import Example, WarmStartRecipe
 
 EXAMPLES = [Example("1+2=", "3"), Example("45+17=", "62"), Example("9+9=", "18"), Example("120+7=", "127")]
 
@@ -91,7 +91,7 @@ def _small_warm_start(tmp_path: Path, steps: int = 3, **kwargs: object) -> Path:
     kwargs = {"target_accuracy": None, **kwargs}
     return warm_start(
         tmp_path,
-        task=task,
+        recipe=WarmStartRecipe(task, task.train_examples()),
         model_kwargs={"hidden_size": 32, "num_layers": 1},
         sft_kwargs={"steps": steps, "batch_size": 8, "stop_every": 2},
         progress=False,
@@ -146,4 +146,9 @@ def test_warm_start_stops_at_its_target(tmp_path: Path) -> None:
 def test_warm_start_rejects_unknown_settings(tmp_path: Path) -> None:
     task = ArithmeticTask(seed=0, num_train=40, num_eval=10, max_digits=2)
     with pytest.raises(TypeError, match="stepz"):
-        warm_start(tmp_path, task=task, sft_kwargs={"stepz": 3}, progress=False)
+        warm_start(
+            tmp_path,
+            recipe=WarmStartRecipe(task, task.train_examples()),
+            sft_kwargs={"stepz": 3},
+            progress=False,
+        )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import engine_old, sample
-from emapg import kl, trainer
+from emapg import kl, trainer, update
 from emapg.config import load_config
 from emapg.models import load_model_and_tokenizer
 
@@ -63,9 +63,9 @@ def test_trainer_kl_path_equals_token_kl(tmp_path, tiny_model_dir, estimator, di
     _perturb(anchor.model, 2)
     vocab = model.get_output_embeddings().weight.shape[0]
     old = engine_old(batch)
-    ref = trainer.anchor_pass(cfg, anchor, batch, old, vocab)
+    ref = update.anchor_pass(cfg, anchor, batch, old, vocab)
     advantages = torch.linspace(-1, 1, 6)
-    pg, kl_tok, *_ = trainer.token_losses(cfg, model, batch, advantages, old, ref)
+    pg, kl_tok, *_ = update.token_losses(cfg, model, batch, advantages, old, ref)
 
     def logits_of(m):
         out = m(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits

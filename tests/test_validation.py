@@ -52,16 +52,18 @@ def _corrupt_checkpoint(tmp, model):
 
 
 def _iw_clip_strings(tmp, model):
-    return ["kl.iw_clip=[a, b]"], "kl.iw_clip must hold numbers; got ['a', 'b']"
+    return ["kl.iw_clip=[a, b]"], "kl.iw_clip[0]: input should be a valid number; got 'a'"
 
 
 def _betas_wrong(tmp, model):
-    return ["optim.betas=[0.9]"], "optim.betas must be two numbers in [0, 1); got [0.9]"
+    return [
+        "optim.betas=[0.9]"
+    ], "optim.betas: list should have at least 2 items after validation, not 1; got [0.9]"
 
 
 def _tiny_model_setting_misspelt(tmp, model):
     # YAML reads {hidden_size:64} (no space) as one key "hidden_size:64"
-    message = "warmstart.model_kwargs: unknown settings ['hidden_size:64']"
+    message = "warmstart.model_kwargs: build_tiny_model: unknown settings ['hidden_size:64']"
     return ["warmstart.model_kwargs={hidden_size:64}"], message
 
 

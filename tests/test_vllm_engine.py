@@ -23,7 +23,7 @@ import torch
 from emapg.config import load_config
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_model, build_tiny_tokenizer
-from emapg.rollout.base import RolloutEngine, SamplingParams
+from emapg.rollout.base import RolloutEngine, SamplingParams, eos_ids
 from emapg.rollout.multiturn import run_episodes
 from emapg.rollout.vllm import VllmEngine, bucket_entropy, import_vllm, row_seed, to_rollout, weights_to_push
 
@@ -137,14 +137,17 @@ def test_unsupported_vllm_version_is_one_line_naming_the_install(monkeypatch, ve
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed: the missing-package message cannot show")
 def test_missing_vllm_is_one_line_naming_the_install(tmp_path):
     with pytest.raises(EmapgError, match=r"needs vLLM 0\.32: pip install 'emapg\[vllm\]'.*install-vllm-cpu"):
-        VllmEngine(str(tmp_path), build_tiny_tokenizer())
+        VllmEngine(str(tmp_path), build_tiny_tokenizer(), eos_ids=[2])
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["rollout.engine=sglang"], "rollout.engine: unknown 'sglang'"),
-        (["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=1.5"], "must be in \\(0, 1\\)"),
+        (
+            ["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=1.5"],
+            "rollout.vllm_gpu_memory_utilization: input should be less than 1",
+        ),
     ],
 )
 def test_engine_config_errors(overrides, message):
@@ -180,7 +183,13 @@ def engine(tiny):
     model, tok, path = tiny
     rng = torch.get_rng_state()
     eng = VllmEngine(
-        str(path), tok, dtype="float32", max_logprobs=8, gpu_memory_utilization=0.15, enforce_eager=True
+        str(path),
+        tok,
+        dtype="float32",
+        max_logprobs=8,
+        gpu_memory_utilization=0.15,
+        enforce_eager=True,
+        eos_ids=eos_ids(model, tok),
     )
     BUILD["rng_kept"] = torch.equal(rng, torch.get_rng_state())
     yield eng

@@ -19,6 +19,7 @@ from conftest import SEARCH_ARGS, torchrun
 from emapg.models import build_tiny_model, build_tiny_tokenizer
 from emapg.sft import sft
 from emapg.tasks.arithmetic import ArithmeticTask
+from emapg.tasks.search import TINY_EXTRA_CHARS
 
 if os.environ.get("EMAPG_REQUIRE_VLLM") != "1":
     pytest.importorskip(
@@ -119,9 +120,8 @@ def test_search_through_vllm_in_two_processes_equals_one_process(tmp_path):
     different numbers of turns, and the run equals one process on the same global batch (each
     row is its own seeded request, so its tokens do not depend on which rank samples it; the
     figures agree to float rounding, as the engines' batches differ)."""
-    from emapg.tasks.search import SearchTask
 
-    tok = build_tiny_tokenizer(SearchTask.tiny_extra_chars)
+    tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     model_dir = tmp_path / "model"
     build_tiny_model(tok, hidden_size=64, max_position_embeddings=128).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)

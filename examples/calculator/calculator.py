@@ -4,7 +4,9 @@ in its head, and emapg's built-in tiny model learns to use it on CPU.
 An episode: prompt `347*28=`, the model writes `<calc>347*28</calc>`, the environment inserts
 `<result>9716</result>` (in context, but masked out of the loss and the KL), and the model
 answers `9716`. The reward is 1 when the text the model wrote after the last result is the
-product. Train with `python examples/calculator/train.py` (see README.md there).
+product. Importing this module registers the task, with its own settings (`task.max_calls` ...):
+
+    emapg train --import examples/calculator/calculator.py --config examples/calculator/config.yaml
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import random
 import re
 from collections.abc import Sequence
 
-from emapg.tasks.base import Example, Task
+from emapg.settings import setting
+from emapg.tasks import Example, ProblemSettings, Task, WarmStartRecipe, register_task
 
 CALL = re.compile(r"<calc>([0-9+*\-]{1,20})</calc>\s*$")
 RESULT_END = "</result>"
@@ -60,12 +63,18 @@ def final_answer(response: str) -> str:
     return words[0] if words else ""
 
 
+class CalculatorSettings(ProblemSettings):
+    """`task.name=calculator`: products a*b the model computes with a calculator tool."""
+
+    seed: int = setting(0, "seed of the generated problems")
+    max_calls: int = setting(2, "calculator calls per episode; the turn after the last ends it", ge=1)
+
+
 class CalculatorTask(Task):
     """`a*b=` with a 3-digit a and a 2-digit b; reward 1 for the exact product."""
 
     name = "calculator"
     score_is_safe = True  # string comparison: scored in-process
-    tiny_extra_chars = "<>"  # the tags' brackets; their letters and "/" are in the built-in alphabet
 
     def __init__(self, seed: int = 0, num_train: int = 2000, num_eval: int = 200, max_calls: int = 2):
         rng = random.Random(f"calculator-{seed}")
@@ -99,15 +108,25 @@ class CalculatorTask(Task):
             "calc/right_call": sum(right_call) / len(right_call),
         }
 
-    def sft_examples(self) -> list[Example]:
-        """Demonstration episodes: the call, the inserted result (not learned), the answer."""
-        out = []
-        for e in self._train:
-            expression = e.prompt[:-1]
-            segments = [
-                (f"<calc>{expression}</calc>", True),
-                (f"<result>{calculate(expression)}</result>", False),
-                (e.answer, True),
-            ]
-            out.append(Example(e.prompt, "".join(t for t, _ in segments), {**e.meta, "segments": segments}))
-        return out
+
+def demonstrations(task: CalculatorTask) -> WarmStartRecipe:
+    """The built-in model's warm start: episodes of the call, the inserted result (not learned)
+    and the answer. The tags' brackets are new to its tokenizer (their letters and "/" are not)."""
+    out = []
+    for e in task.train_examples():
+        expression = e.prompt[:-1]
+        segments = [
+            (f"<calc>{expression}</calc>", True),
+            (f"<result>{calculate(expression)}</result>", False),
+            (e.answer, True),
+        ]
+        out.append(Example(e.prompt, "".join(t for t, _ in segments), {**e.meta, "segments": segments}))
+    return WarmStartRecipe(task, out, extra_chars="<>")
+
+
+register_task(
+    "calculator",
+    lambda cfg: CalculatorTask(cfg.task.seed, cfg.task.num_train, cfg.task.num_eval, cfg.task.max_calls),
+    CalculatorSettings,
+    warm_start=demonstrations,
+)

@@ -5,13 +5,14 @@ From Python:
     import emapg
     emapg.train("quickstart", ["train.steps=50"])           # a config name or path, overrides
     emapg.train(cfg, task=MyTask())                          # a Config and your own Task
-    emapg.register_task("my_task", lambda cfg: MyTask(cfg))  # then task.name=my_task anywhere
+    emapg.register_task("my_task", lambda cfg: MyTask(cfg.task.level), config=MySettings)
+    emapg.train("quickstart", ["task.name=my_task", "task.level=3"])
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from emapg.tasks import register_task
 
@@ -25,32 +26,22 @@ def train(config=None, overrides: Sequence[str] = (), *, task=None, resume: bool
 
     `config`: a `emapg.config.Config`, a YAML path or shipped config name (None: quickstart);
     `overrides`: dotted `key=value` strings applied on top; `task`: a `emapg.tasks.Task` instance
-    to train on, registered under its `name` for this run (task.name is set to it).
+    to train on, registered under its `name` for this run only. The instance brings its data, so
+    of the config's task section only the settings every task has (reward_timeout_s,
+    reward_isolation) carry over.
     """
-    from emapg import tasks
-    from emapg.config import Config, apply_overrides, load_config, validate
+    from emapg.config import Config, build, read_config, with_overrides
     from emapg.errors import EmapgError
+    from emapg.tasks import TASKS, Task, TaskSettings
     from emapg.trainer import train as run
 
-    overrides = list(overrides)
-    saved = None
+    raw = config.model_dump(exclude_unset=True) if isinstance(config, Config) else read_config(config)
+    scope = nullcontext()
     if task is not None:
-        if not isinstance(task, tasks.Task):
+        if not isinstance(task, Task):
             raise EmapgError(f"emapg.train: task must be an emapg Task, got {type(task).__name__}")
-        saved = tasks._FACTORIES.get(task.name)
-        register_task(task.name, lambda cfg: task)
-        overrides.append(f"task.name={task.name}")
-    try:
-        if isinstance(config, Config):
-            cfg = copy.deepcopy(config)
-            apply_overrides(cfg, overrides)
-            validate(cfg)
-        else:
-            cfg = load_config(config, overrides)
-        return run(cfg, resume=resume)
-    finally:
-        if task is not None:  # the registry as it was before this run
-            if saved is None:
-                tasks._FACTORIES.pop(task.name, None)
-            else:
-                tasks._FACTORIES[task.name] = saved
+        scope = TASKS.registered(task.name, lambda cfg: task)
+        kept = {k: v for k, v in (raw.get("task") or {}).items() if k in TaskSettings.model_fields}
+        raw = {**raw, "task": {**kept, "name": task.name}}
+    with scope:
+        return run(build(with_overrides(raw, list(overrides))), resume=resume)

@@ -4,15 +4,42 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
 from emapg import distributed
-from emapg.errors import EmapgError
+from emapg.settings import Float, Section, setting, validated
 
 KINDS = ("ema", "frozen", "none")  # anchor.kind: an EMA of the policy, the frozen start, no anchor
 PERIOD_UNITS = ("training_steps", "optimizer_steps")  # what anchor.update_period counts
+
+
+class EMASchedule(Section):
+    """An EMA anchor's decay and period: the rule every anchor (the model's, a LoRA adapter's,
+    the TRL integration's) is built under."""
+
+    key: ClassVar[str] = "anchor"
+    eta: Float = setting(0.9, "EMA decay: anchor <- eta * anchor + (1 - eta) * policy", ge=0, le=1)
+    update_period: int = setting(10, "steps between EMA updates, counted in anchor.period_unit", ge=1)
+
+    @classmethod
+    def of(cls, eta: float, update_period: int, names: dict[str, str] | None = None) -> EMASchedule:
+        """The schedule, or one line naming what is wrong (`names`: the caller's field names)."""
+        return validated(cls, {"eta": eta, "update_period": update_period}, cls.key, names)
+
+
+class AnchorSettings(EMASchedule):
+    """The `anchor` section: the KL's anchor, a frozen reference or an EMA of the policy."""
+
+    kind: Literal[KINDS] = setting("ema", "ema, frozen (eta = 1) or none (needs kl.beta = 0)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto", "the anchor's dtype; auto: model.dtype (docs/training.md: bf16 EMA drift)"
+    )
+    period_unit: Literal[PERIOD_UNITS] = setting(
+        "training_steps", "what update_period counts: rollout batches (the paper's) or optimiser steps"
+    )
 
 
 class Anchor:
@@ -40,10 +67,7 @@ class Anchor:
         """`model`: a reference copy that already exists (e.g. TRL's ref_model) to use as the anchor
         in place; by default the anchor deep-copies `policy`. `dtype`: the anchor's own parameter
         dtype (e.g. bfloat16 beside a float32 policy); by default the policy's."""
-        if not 0.0 <= eta <= 1.0:
-            raise EmapgError(f"anchor.eta must be in [0, 1]; got {eta}")
-        if update_period < 1:
-            raise EmapgError(f"anchor.update_period must be >= 1; got {update_period}")
+        EMASchedule.of(eta, update_period)
         self.eta, self.update_period = eta, update_period
         self.model = (copy.deepcopy(policy) if model is None else model).eval().requires_grad_(False)
         if dtype is not None:

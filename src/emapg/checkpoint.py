@@ -57,9 +57,16 @@ def save(
     """Write checkpoint `step_<step>` under `directory` atomically; keep the newest `keep`."""
     if distributed.world() > 1:
         return _save_sharded(
-            directory, step, policy=policy, tokenizer=tokenizer, anchor=anchor, optimizer=optimizer,
-            scheduler=scheduler, state=state, keep=keep,
-        )  # fmt: skip
+            directory,
+            step,
+            policy=policy,
+            tokenizer=tokenizer,
+            anchor=anchor,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            keep=keep,
+        )
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory, prefix=f".tmp-step_{step}-"))
     try:

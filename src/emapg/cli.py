@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -16,10 +17,31 @@ Shipped configs: quickstart (the default), grpo, ema_pg, math_tiny, math_qwen, s
 """
 
 
+def import_user_modules(specs: list[str]) -> None:
+    """`--import`: modules (names importable from here, or paths to .py files) whose import
+    registers tasks or engines. A file's directory joins sys.path, so that the reward worker
+    process, which gets this sys.path, can import it too."""
+    for spec in specs:
+        path = Path(spec).expanduser()
+        if spec.endswith(".py"):
+            if not path.is_file():
+                raise EmapgError(f"--import {spec}: no such file")
+            folder, name = str(path.resolve().parent), path.stem
+        else:
+            folder, name = os.getcwd(), spec  # as `python -m` does
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            raise EmapgError(f"--import {spec}: importing it raised {type(e).__name__}: {e}") from None
+
+
 def _train(args) -> None:
     from emapg.config import load_config
     from emapg.trainer import train
 
+    import_user_modules(args.imports)
     cfg = load_config(args.config, args.overrides)
     result = train(cfg, resume=args.resume)
     # Under torchrun rank 0 reports for all; the process group is closed by now, so ask the env.
@@ -39,6 +61,7 @@ def _sft(args) -> None:
     from emapg.tasks import make_task
     from emapg.trainer import load_policy
 
+    import_user_modules(args.imports)
     cfg = load_config(args.config, args.overrides)
     task = make_task(cfg)
     load_policy(cfg, task, progress=cfg.train.progress)
@@ -46,14 +69,23 @@ def _sft(args) -> None:
 
 
 def _eval(args) -> None:
-    from emapg.evaluation import EvalSettings, evaluate, table
+    from emapg.math_eval import MathEvalSettings, evaluate, table
+    from emapg.settings import validated
     from emapg.tasks.math import PROMPT
 
-    settings = EvalSettings(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, seed=args.seed, chat_template=not args.no_chat_template,
-        prompt=args.prompt or PROMPT,
-    )  # fmt: skip
+    values = {
+        "n": args.n,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "prompt": args.prompt or PROMPT,
+    }
+    options = {k: "--" + k.replace("_", "-") for k in values}  # a problem names the option
+    settings = validated(
+        MathEvalSettings, {**values, "chat_template": not args.no_chat_template}, "eval", options
+    )
     results = evaluate(args.model, args.data, args.out, settings, dtype=args.dtype)
     print(table(results), end="")
     print(f"results: {Path(args.out) / 'results.json'}; responses: {Path(args.out) / 'responses.jsonl'}")
@@ -91,27 +123,44 @@ def _serve_retriever(args) -> None:
         server.server_close()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from emapg.config import help_text
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file or shipped config name (default: quickstart)")
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module (a name, or path/to/file.py) first: its register_task calls add tasks",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; every field's help goes into `emapg train --help` (built only when the
+    command is train: it imports every part's settings)."""
     from emapg.search.server import MAX_QUERIES
 
     parser = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
     sub = parser.add_subparsers(dest="command", required=True)
+    fields = ""
+    if command == "train":
+        from emapg.config_reference import help_text
+
+        fields = help_text()
     train = sub.add_parser(
         "train",
         help="train with EMA-PG (default: the CPU quickstart)",
-        epilog=TRAIN_EPILOG + help_text(),
+        epilog=TRAIN_EPILOG + fields,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--config", help="YAML config file or shipped config name (default: quickstart)")
+    _add_config_arguments(train)
     train.add_argument(
         "--resume", action="store_true", help="continue from the run's last complete checkpoint"
     )
-    train.add_argument("overrides", nargs="*", metavar="key=value")
     train.set_defaults(func=_train)
     sft = sub.add_parser("sft", help="build (or reuse) the cached supervised warm start of builtin:tiny")
-    sft.add_argument("--config", help="YAML config file or shipped config name (default: quickstart)")
-    sft.add_argument("overrides", nargs="*", metavar="key=value")
+    _add_config_arguments(sft)
     sft.set_defaults(func=_sft)
     ev = sub.add_parser(
         "eval", help="math accuracy and pass@k of a model on problem files (n samples per problem)"
@@ -126,8 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=int, default=3072, help="response length limit (default 3072)")
     ev.add_argument("--batch-size", type=int, default=64, help="sequences per generate call (default 64)")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="auto: bfloat16 on a GPU, else float32")  # fmt: skip
+    ev.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on a GPU, else float32",
+    )
     ev.add_argument("--no-chat-template", action="store_true", help="plain prompts even if the model has one")
     ev.add_argument(
         "--prompt", help="prompt template with {question} (default: Qwen2.5-Math's \\boxed{} one)"
@@ -159,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         args.func(args)
     except EmapgError as e:

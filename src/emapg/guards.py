@@ -33,6 +33,9 @@ def step_is_finite(state, loss: float, grad_norm: float, max_bad_steps: int) -> 
         )
     log.warning(
         "non-finite loss (%s) or gradient norm (%s): optimiser step skipped (%d in a row, %d in all)",
-        loss, grad_norm, state.bad_in_row, state.skipped_steps,
-    )  # fmt: skip
+        loss,
+        grad_norm,
+        state.bad_in_row,
+        state.skipped_steps,
+    )
     return False

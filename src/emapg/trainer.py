@@ -1,233 +1,41 @@
-"""The EMA-PG training loop: rollout, reward, advantages, anchor pass, PPO update, EMA step.
+"""The EMA-PG training loop: rollout, reward, advantages, old-policy and anchor passes, PPO
+update, EMA step.
 
-Read bottom up: `train` is the whole loop, `setup` builds what it runs on, and the helpers
-above them are the passes. The algorithms themselves are pure functions in kl.py, topk.py,
-advantages.py, policy_loss.py and anchor.py. Memory: between passes only per-token summaries
-travel (the sampled token's log-prob, k top-k ids, k anchor log-probs); no [tokens, vocab]
-tensor is ever stored.
+Read bottom up: `train` is the whole loop, `setup` builds what it runs on, and the helpers above
+them feed it. The update and its passes are in update.py; the algorithms themselves are pure
+functions in kl.py, topk.py, advantages.py, policy_loss.py, rollout_correction.py and anchor.py.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 import yaml
-from torch import Tensor, nn
+from torch import nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, distributed, kl, lora, rollout_correction
+from emapg import checkpoint, distributed, kl, lora
 from emapg.advantages import group_advantages
 from emapg.anchor import Anchor
-from emapg.config import Config, anchor_dtype, recomputes_old_logp, rollout_dtype, to_dict, validate_world
+from emapg.config import Config
 from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
-from emapg.guards import step_is_finite
-from emapg.lm_head import response_summary
 from emapg.lora import AdapterAnchor
-from emapg.metrics import MetricsLog
-from emapg.models import load_model_and_tokenizer
-from emapg.policy_loss import aggregate, aggregation_total, ppo_clip
+from emapg.metrics import MetricsLog, PhaseTimer
+from emapg.models import checkpoint_activations, load_model_and_tokenizer
+from emapg.optim import make_optimizer
+from emapg.prompts import encode_prompts
 from emapg.rewards import RewardScorer, Scored
-from emapg.rollout import Rollout, RolloutEngine, SamplingParams, encode_prompts, eos_ids
+from emapg.rollout import Rollout, RolloutEngine, SamplingParams, eos_ids, make_engine
 from emapg.rollout.multiturn import sample_examples
-from emapg.tasks import make_task
+from emapg.tasks import make_task, warm_start_recipe
 from emapg.tasks.base import Example, Task
-
-# ---------------------------------------------------------------------------------------------
-# Model passes
-
-
-@dataclass
-class AnchorView:
-    """What the anchor pass leaves for the update: log-probs at the token and on the top-k set q."""
-
-    head_ids: Tensor  # [N, L, k] the set q
-    ref_logp: Tensor  # [N, L]
-    ref_head_logp: Tensor  # [N, L, k]
-
-    def select(self, rows: Tensor, width: int) -> AnchorView:
-        """The rows `rows`, response columns up to `width` (a trimmed micro-batch's)."""
-        return AnchorView(
-            self.head_ids[rows, :width], self.ref_logp[rows, :width], self.ref_head_logp[rows, :width]
-        )
-
-
-@dataclass
-class OldPolicy:
-    """pi_old for the update: its log-prob at each sampled token, its top-k set (the reverse
-    KL's q) and the rollout correction between it and mu, the engine that sampled."""
-
-    logp: Tensor  # [N, L] log pi_old(token)
-    topk_ids: Tensor  # [N, L, k]
-    weight: Tensor  # [N, L] multiplies the policy-gradient loss (rollout_correction.correct)
-    keep: Tensor  # [N, L] bool: response tokens that stay in the loss
-
-    def select(self, rows: Tensor, width: int) -> OldPolicy:
-        return OldPolicy(*(t[rows, :width] for t in (self.logp, self.topk_ids, self.weight, self.keep)))
-
-
-@torch.no_grad()
-def recompute_old_logp(cfg: Config, model, batch: Rollout, k: int) -> tuple[Tensor, Tensor]:
-    """The trainer's own pi_old: a no-grad pass of the policy over the batch, before the first
-    optimiser step, giving the log-prob at each sampled token and the top-k ids (k of them)."""
-    n, width = batch.response_mask.shape
-    logp = torch.zeros(n, width, device=batch.sequences.device)
-    topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=batch.sequences.device)
-    for rows in micro_batches(cfg, batch, torch.arange(n)):
-        idx = torch.arange(1) if rows is None else rows  # None: a padding pass, its result dropped
-        part = batch.select(idx).trimmed()
-        w = part.response_mask.shape[1]
-        s = response_summary(
-            model, part, part.responses.unsqueeze(-1), temperature=cfg.rollout.temperature, topk_self=k
-        )
-        if rows is not None:
-            logp[rows, :w], topk_ids[rows, :w] = s.logp()[..., 0], s.topk_ids
-    return logp, topk_ids
-
-
-def old_policy(cfg: Config, model, batch: Rollout, k: int, timer: PhaseTimer) -> tuple[OldPolicy, dict]:
-    """pi_old (recomputed, or the engine's log-probs: `config.recomputes_old_logp`), the rollout
-    correction, and their metrics: mismatch/* (only when recomputed: else mu is pi_old) and
-    rollout_correction/*."""
-    mask = batch.response_mask
-    metrics = {}
-    if recomputes_old_logp(cfg):
-        with timer("old_logp"):
-            logp, topk_ids = recompute_old_logp(cfg, model, batch, k)
-        m = rollout_correction.mismatch_metrics(logp, batch.sampling_logp, mask, topk_ids, batch.topk_ids)
-        kl_sum, overlap_sum, tokens = distributed.sum_all(
-            m["kl_sum"], m.get("topk_overlap_sum", 0.0), m["tokens"]
-        )
-        metrics = {
-            "mismatch/kl": kl_sum / max(tokens, 1.0),
-            "mismatch/max_abs_logp": distributed.max_one(m["max_abs_logp"]),
-            **({"mismatch/topk_overlap": overlap_sum / max(tokens, 1.0)} if k else {}),
-        }
-    else:
-        logp, topk_ids = batch.sampling_logp, batch.topk_ids
-    c = rollout_correction.correct(
-        logp, batch.sampling_logp, mask, cfg.algo.rollout_correction, cfg.algo.rollout_correction_cap
-    )
-    kept = c.keep & mask
-    weight_sum, kept_n, tokens = distributed.sum_all(
-        float((c.weight * kept).sum()), float(kept.sum()), float(mask.sum())
-    )
-    metrics |= {
-        "rollout_correction/weight_mean": weight_sum / max(kept_n, 1.0),
-        "rollout_correction/weight_max": distributed.max_one(
-            float(c.weight[kept].max()) if kept.any() else 0.0
-        ),
-        "rollout_correction/masked_frac": 1.0 - kept_n / max(tokens, 1.0),
-    }
-    return OldPolicy(logp, topk_ids, c.weight, c.keep), metrics
-
-
-def _head_ids(cfg: Config, old: OldPolicy, vocab: int) -> Tensor | None:
-    """q for the KL: pi_old's top-k (reverse), the whole vocabulary (exact), none (sampled)."""
-    if cfg.kl.estimator == "exact":
-        return torch.arange(vocab, device=old.logp.device).expand(*old.logp.shape, vocab)
-    if cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse":
-        return old.topk_ids
-    if cfg.kl.estimator in kl.TOPK:
-        return None  # forward: the anchor pass picks q from its own top-k
-    return old.topk_ids[..., :0]
-
-
-def micro_batches(cfg: Config, batch: Rollout, rows: Tensor) -> list[Tensor | None]:
-    """`rows` split for forward/backward: `algo.micro_batch_size` at a time, or packed in order
-    up to `algo.micro_batch_tokens` (rows x their padded length). With several processes the
-    list is padded with None up to the longest any rank has: under FSDP every rank must run
-    the same number of forward passes, and a None is run on one row with weight 0."""
-    if cfg.algo.micro_batch_tokens:
-        lengths = batch.attention_mask.sum(-1)  # prompt + response tokens of each row
-        parts, current, longest = [], [], 0
-        for r in rows.tolist():
-            longest_with = max(longest, int(lengths[r]))
-            if current and (len(current) + 1) * longest_with > cfg.algo.micro_batch_tokens:
-                parts.append(torch.tensor(current))
-                current, longest_with = [], int(lengths[r])
-            current.append(r)
-            longest = longest_with
-        parts += [torch.tensor(current)] if current else []
-    else:
-        parts = [part for part in rows.split(cfg.algo.micro_batch_size) if len(part)]
-    return parts + [None] * (distributed.max_one(len(parts)) - len(parts))
-
-
-@torch.no_grad()
-def anchor_pass(
-    cfg: Config, anchor: Anchor | AdapterAnchor, batch: Rollout, old: OldPolicy, vocab: int
-) -> AnchorView:
-    tokens = batch.responses.unsqueeze(-1)
-    head_ids = _head_ids(cfg, old, vocab)
-    width = batch.response_mask.shape[1]
-    n, k = len(batch.texts), cfg.kl.k if head_ids is None else head_ids.shape[-1]
-    device = batch.sequences.device
-    view = AnchorView(
-        torch.zeros(n, width, k, dtype=torch.long, device=device), torch.zeros(n, width, device=device),
-        torch.zeros(n, width, k, device=device),
-    )  # fmt: skip
-    with anchor.active() as ref_model:  # LoRA: the anchor adapter (or none) is active meanwhile
-        for rows in micro_batches(cfg, batch, torch.arange(n)):
-            idx = torch.arange(1) if rows is None else rows  # None: a padding pass, its result dropped
-            part = batch.select(idx).trimmed()
-            w = part.response_mask.shape[1]
-            if head_ids is None:  # forward top-k: q is the anchor's own top-k
-                s = response_summary(
-                    ref_model, part, tokens[idx, :w], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
-                )
-                ids, logp, head_logp = s.topk_ids, s.logp()[..., 0], s.topk_logp
-            else:
-                ids = head_ids[idx, :w]
-                logp = response_summary(
-                    ref_model,
-                    part,
-                    torch.cat([tokens[idx, :w], ids], -1),
-                    temperature=cfg.rollout.temperature,
-                ).logp()
-                logp, head_logp = logp[..., 0], logp[..., 1:]
-            if rows is not None:
-                view.head_ids[rows, :w], view.ref_logp[rows, :w], view.ref_head_logp[rows, :w] = (
-                    ids,
-                    logp,
-                    head_logp,
-                )
-    return view
-
-
-def token_losses(
-    cfg: Config, model, part: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None
-):
-    """Per-token PPO-clip loss (times the rollout correction's weight), KL estimate (None
-    without anchor), clip flags and log PPO ratio (no gradient) of a micro-batch. The PPO ratio divides by pi_old; the KL's
-    importance weight by mu, the distribution the token was drawn from (docs/design.md, section 7)."""
-    tokens = part.responses.unsqueeze(-1)
-    ids = tokens if ref is None else torch.cat([tokens, ref.head_ids], -1)
-    summary = response_summary(model, part, ids, temperature=cfg.rollout.temperature)
-    logp = summary.logp()[..., 0]
-    pg, clipped = ppo_clip(logp, old.logp, advantages, cfg.algo.clip_low, cfg.algo.clip_high)
-    pg = pg * old.weight
-    log_ratio = (logp - old.logp).detach()
-    if ref is None:
-        return pg, None, clipped, log_ratio
-    kl_tok = kl.from_summary(
-        summary,
-        (ref.head_ids == tokens).any(-1),
-        ref.ref_logp,
-        ref.ref_head_logp,
-        estimator=cfg.kl.estimator,
-        direction=cfg.kl.direction,
-        sampling_logp=part.sampling_logp if cfg.kl.importance_weight else None,
-        iw_clip=tuple(cfg.kl.iw_clip) if cfg.kl.iw_clip else None,
-    )
-    return pg, kl_tok, clipped, log_ratio
+from emapg.update import anchor_pass, old_policy, update
 
 
 @dataclass
@@ -244,105 +52,6 @@ class TrainerState:
     def from_dict(cls, saved: dict) -> TrainerState:
         """From a checkpoint's dict; older checkpoints may lack the newer counters."""
         return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
-
-
-class PhaseTimer:
-    """Wall seconds per phase of a step; a phase timed inside another counts only as itself."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._inner = [0.0]  # per open phase: seconds spent in phases nested inside it
-
-    @contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        self._inner.append(0.0)
-        try:
-            yield
-        finally:
-            took = time.perf_counter() - start
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + took - self._inner.pop()
-            self._inner[-1] += took
-
-
-def update(
-    run: Run, batch: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None, timer: PhaseTimer
-) -> dict:
-    """PPO epochs over minibatches, micro-batched; an EMA counting optimiser steps steps here.
-
-    With several processes `batch` is this rank's slice of the global batch: the permutation is
-    drawn over the global batch (the same random stream as one process), each rank takes its
-    rows, and the loss is divided by the global total, so the summed gradients are one process's.
-    """
-    cfg, model, state = run.cfg, run.model, run.state
-    sums = {"loss/policy": 0.0, "kl/value": 0.0, "clip_frac": 0.0}
-    count, grad_norms = 0.0, []
-    # The first minibatch is on-policy for pi_old: recomputed, its ratio is 1 and nothing clips.
-    first_clipped = first_count = first_ratio_dev = 0.0
-    local = len(batch.texts)
-    first = distributed.rank() * local
-    # Responses cut at the length limit can be left out of the loss (DAPO's overlong masking).
-    loss_mask = (
-        batch.response_mask & ~batch.truncated.unsqueeze(-1)
-        if cfg.algo.mask_overlong
-        else batch.response_mask
-    ) & old.keep  # the rollout correction's dropped tokens leave the loss and its count
-    for epoch in range(cfg.algo.epochs):
-        for minibatch, rows_mb in enumerate(
-            torch.randperm(local * distributed.world()).chunk(cfg.algo.minibatches)
-        ):
-            rows_mb = rows_mb[(rows_mb >= first) & (rows_mb < first + local)] - first
-            total = aggregation_total(
-                loss_mask[rows_mb], cfg.algo.loss_aggregation, reduce=distributed.sum_one,
-                length=cfg.rollout.max_new_tokens,
-            )  # fmt: skip
-            run.optimizer.zero_grad(set_to_none=True)
-            minibatch_loss = 0.0
-            for rows in micro_batches(cfg, batch, rows_mb):
-                weight = 0.0 if rows is None else 1.0  # a padding pass: the collectives, no gradient
-                rows = torch.arange(1) if rows is None else rows
-                part = batch.select(rows).trimmed()
-                w = part.response_mask.shape[1]
-                mask = loss_mask[rows, :w]
-                part_ref = None if ref is None else ref.select(rows, w)
-                pg, kl_tok, clipped, log_ratio = token_losses(
-                    cfg, model, part, advantages[rows], old.select(rows, w), part_ref
-                )
-                loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
-                loss = weight * aggregate(loss_tok, mask, cfg.algo.loss_aggregation, total)
-                loss.backward()
-                minibatch_loss += float(loss.detach())
-                mask = mask & (weight > 0)
-                sums["loss/policy"] += float((pg.detach() * mask).sum())
-                sums["kl/value"] += 0.0 if kl_tok is None else float((kl_tok.detach() * mask).sum())
-                sums["clip_frac"] += float((clipped & mask).sum())
-                count += float(mask.sum())
-                if epoch == 0 and minibatch == 0:
-                    first_clipped += float((clipped & mask).sum())
-                    dev = torch.where(mask, (log_ratio.exp() - 1).abs(), 0.0)
-                    first_ratio_dev = max(first_ratio_dev, float(dev.max()))
-                    first_count += float(mask.sum())
-            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else math.inf
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # global over shards
-            grad_norm = float(distributed.full(norm))
-            minibatch_loss = distributed.sum_one(minibatch_loss)  # every rank decides alike
-            if not step_is_finite(state, minibatch_loss, grad_norm, cfg.train.max_bad_steps):
-                continue  # weights, optimiser moments, scheduler and anchor stay as they were
-            grad_norms.append(grad_norm)
-            run.optimizer.step()
-            run.scheduler.step()
-            state.optimizer_steps += 1
-            if run.anchor is not None and cfg.anchor.period_unit == "optimizer_steps":
-                with timer("ema"):
-                    run.anchor.step(model, state.optimizer_steps)
-    *totals, count, first_clipped, first_count = distributed.sum_all(
-        *sums.values(), count, first_clipped, first_count
-    )
-    stats = {k: v / max(count, 1.0) for k, v in zip(sums, totals, strict=True)}
-    stats["clip_frac/first_minibatch"] = first_clipped / max(first_count, 1.0)
-    stats["ppo_ratio/first_minibatch_max_dev"] = distributed.max_one(first_ratio_dev)  # max |ratio - 1|
-    stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
-    return stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,9 +123,13 @@ def eval_params(cfg: Config) -> SamplingParams:
     its own seed, so evaluating never touches the training run's random stream."""
     e = cfg.eval
     return SamplingParams(
-        cfg.rollout.max_new_tokens, e.temperature, e.top_p, greedy=e.greedy, stop=tuple(cfg.rollout.stop),
+        cfg.rollout.max_new_tokens,
+        e.temperature,
+        e.top_p,
+        greedy=e.greedy,
+        stop=tuple(cfg.rollout.stop),
         seed=cfg.train.seed + 1,
-    )  # fmt: skip
+    )
 
 
 SAMPLES_PER_EVAL = 4  # responses written to samples.jsonl at each evaluation
@@ -437,16 +150,25 @@ def evaluate(run: Run, step: int) -> tuple[float, dict]:
     mine = (examples + examples[-1:] * (per * distributed.world() - len(examples)))[first : first + per]
     run.engine.sync_weights(run.model, run.state.optimizer_steps)
     batch, scored = sample_and_score(
-        run.engine, run.tokenizer, run.task, mine, run.scorer,
-        eval_params(cfg), chat_template=cfg.model.chat_template,
-        eos=run.eos, rows=list(range(first, first + per)),
-    )  # fmt: skip
+        run.engine,
+        run.tokenizer,
+        run.task,
+        mine,
+        run.scorer,
+        eval_params(cfg),
+        chat_template=cfg.model.chat_template,
+        eos=run.eos,
+        rows=list(range(first, first + per)),
+    )
     texts, rewards, mine = batch.texts[:real], scored.rewards[:real], mine[:real]
     if run.log:
-        run.log.log_samples(step, [
-            {"prompt": e.prompt, "response": t, "reward": r, "answer": e.answer}
-            for e, t, r in list(zip(mine, texts, rewards, strict=True))[:: max(1, n)][:SAMPLES_PER_EVAL]
-        ])  # fmt: skip
+        run.log.log_samples(
+            step,
+            [
+                {"prompt": e.prompt, "response": t, "reward": r, "answer": e.answer}
+                for e, t, r in list(zip(mine, texts, rewards, strict=True))[:: max(1, n)][:SAMPLES_PER_EVAL]
+            ],
+        )
     correct, total = distributed.sum_all(sum(rewards), real)
     parts = reward_part_metrics(run.task, scored, "eval/", real)
     return correct / total, {**parts, **task_metrics(run.task, texts, mine, "eval/")}
@@ -464,16 +186,14 @@ def load_policy(cfg: Config, task: Task, progress: bool):
     if path == "builtin:tiny":
         from emapg.sft import warm_start
 
-        task = task.warm_start_task()
         w = cfg.warmstart
         sft_kwargs = {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr, "seed": cfg.train.seed}
         with distributed.main_first():  # rank 0 builds the cached warm start, the others load it
             path = warm_start(
                 Path(w.cache_dir).expanduser(),
-                task=task,
+                recipe=warm_start_recipe(cfg.task.name, task),
                 sft_kwargs=sft_kwargs,
                 model_kwargs=w.model_kwargs,
-                tokenizer_kwargs={"extra_chars": task.tiny_extra_chars},
                 target_accuracy=w.target_accuracy or None,
                 progress=progress and distributed.is_main(),
             )
@@ -492,7 +212,7 @@ def check_context(cfg: Config, model, tokenizer, examples: list[Example], task: 
     if getattr(env, "max_context", None) is not None:
         if env.max_context > limit:
             raise EmapgError(
-                f"the episode cap max_context={env.max_context} (retriever.max_context for search) "
+                f"the episode cap max_context={env.max_context} (task.max_context for search) "
                 f"exceeds the model's context of {limit}"
             )
         cap, name = env.max_context, f"the episode cap max_context={env.max_context}"
@@ -513,22 +233,6 @@ def _device(cfg: Config) -> torch.device:
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise EmapgError("train.device=cuda but no CUDA device is available")
     return torch.device(cfg.train.device)
-
-
-def make_engine(cfg: Config, model, tokenizer, model_dir: str) -> RolloutEngine:
-    """The rollout engine `rollout.engine` names, sampling from `model`."""
-    if cfg.rollout.engine == "vllm":
-        from emapg.rollout.vllm import VllmEngine  # late: only this engine imports vllm
-
-        r = cfg.rollout
-        return VllmEngine(
-            model_dir, tokenizer, dtype=rollout_dtype(cfg), seed=cfg.train.seed, max_logprobs=max(cfg.kl.k, 1),
-            gpu_memory_utilization=r.vllm_gpu_memory_utilization, enforce_eager=r.vllm_enforce_eager,
-            max_model_len=r.vllm_max_model_len or None, sleep=r.vllm_sleep, eos_ids=eos_ids(model, tokenizer),
-        )  # fmt: skip
-    from emapg.rollout.hf import HFEngine
-
-    return HFEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
 
 
 CHECKPOINT_FORMAT = 2  # 2: trainer state as TrainerState; 1 (no "format" key): the same fields
@@ -565,9 +269,16 @@ class Run:
             "anchor": self.anchor.state_dict() if self.anchor else None,
         }
         checkpoint.save(
-            self.run_dir / "checkpoints", step, policy=self.model, tokenizer=self.tokenizer, anchor=self.anchor,
-            optimizer=self.optimizer, scheduler=self.scheduler, state=extra, keep=self.cfg.train.keep_checkpoints,
-        )  # fmt: skip
+            self.run_dir / "checkpoints",
+            step,
+            policy=self.model,
+            tokenizer=self.tokenizer,
+            anchor=self.anchor,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            state=extra,
+            keep=self.cfg.train.keep_checkpoints,
+        )
 
     def resume(self, path: Path) -> None:
         saved = checkpoint.load(
@@ -597,7 +308,7 @@ def make_anchor(cfg: Config, model: nn.Module) -> Anchor | AdapterAnchor | None:
     eta = 1.0 if cfg.anchor.kind == "frozen" else cfg.anchor.eta
     if cfg.lora.r:
         return AdapterAnchor(model, eta, cfg.anchor.update_period)
-    anchor = Anchor(model, eta, cfg.anchor.update_period, dtype=getattr(torch, anchor_dtype(cfg)))
+    anchor = Anchor(model, eta, cfg.anchor.update_period, dtype=getattr(torch, cfg.anchor_dtype))
     distributed.shard(anchor.model)
     return anchor
 
@@ -605,7 +316,7 @@ def make_anchor(cfg: Config, model: nn.Module) -> Anchor | AdapterAnchor | None:
 def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     """Task, policy, engine, anchor, optimiser, data and log, restored from the last
     checkpoint when resuming. Every check that can fail runs before any training."""
-    validate_world(cfg, distributed.world())
+    cfg.check_world(distributed.world())
     hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
     run_dir = Path(cfg.train.output_dir) / cfg.train.name
     ckpt_dir = run_dir / "checkpoints"
@@ -633,36 +344,45 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
         model = lora.wrap(model, cfg.lora)
     model.to(device).train()
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     anchor = make_anchor(cfg, model)
     distributed.shard(model)
-    optimizer = torch.optim.AdamW(
+    optimizer, scheduler = make_optimizer(
         [p for p in model.parameters() if p.requires_grad],  # with LoRA: the policy adapter alone
+        cfg.optim,
         lr=cfg.lora.lr if cfg.lora.r else cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        weight_decay=cfg.optim.weight_decay,
-    )
-    optimizer_steps = cfg.train.steps * cfg.algo.epochs * cfg.algo.minibatches
-    warmup = max(
-        round(cfg.optim.warmup_ratio * optimizer_steps) if cfg.optim.warmup_ratio else cfg.optim.warmup_steps,
-        1,
+        total_steps=cfg.train.steps * cfg.algo.epochs * cfg.algo.minibatches,
     )
     run = Run(
-        cfg=cfg, task=task, train_examples=train_examples, eval_examples=eval_examples, model=model,
-        tokenizer=tokenizer, eos=eos_ids(model, tokenizer), vocab=model.get_output_embeddings().weight.shape[0],
-        engine=engine, scorer=scorer, anchor=anchor, optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)),
-        sampler=PromptSampler(train_examples, cfg.train.seed), run_dir=run_dir, log=None,
-    )  # fmt: skip
+        cfg=cfg,
+        task=task,
+        train_examples=train_examples,
+        eval_examples=eval_examples,
+        model=model,
+        tokenizer=tokenizer,
+        eos=eos_ids(model, tokenizer),
+        vocab=model.get_output_embeddings().weight.shape[0],
+        engine=engine,
+        scorer=scorer,
+        anchor=anchor,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=PromptSampler(train_examples, cfg.train.seed),
+        run_dir=run_dir,
+        log=None,
+    )
     if last:
         run.resume(last[0])
     if distributed.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         run.log = MetricsLog(
-            run_dir, resume_step=run.start if last else None, tensorboard=cfg.train.tensorboard,
-            wandb=cfg.train.wandb, config=to_dict(cfg),
-        )  # fmt: skip
+            run_dir,
+            resume_step=run.start if last else None,
+            tensorboard=cfg.train.tensorboard,
+            wandb=cfg.train.wandb,
+            config=cfg.model_dump(),
+        )
     return run
 
 
@@ -688,78 +408,96 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         distributed.close()
 
 
+def sample_batch(run: Run, params: SamplingParams) -> tuple[list[Example], Rollout]:
+    """This step's prompts, each repeated for its group, and the responses sampled for this
+    rank's rows (whole groups) with the policy's current weights."""
+    cfg = run.cfg
+    examples = [
+        e for e in run.sampler.take(cfg.rollout.prompts_per_step) for _ in range(cfg.rollout.group_size)
+    ]
+    rows = distributed.shard_rows(len(examples))  # whole groups: prompts_per_step % world == 0
+    examples = examples[rows]
+    run.engine.sync_weights(run.model, run.state.optimizer_steps)
+    batch = sample_examples(
+        run.engine,
+        run.tokenizer,
+        run.task,
+        examples,
+        params,
+        chat_template=cfg.model.chat_template,
+        eos=run.eos,
+        rows=range(rows.start, rows.stop),
+    ).to(next(run.model.parameters()).device)
+    run.engine.sleep()  # a colocated engine frees its memory for the passes below
+    return examples, batch
+
+
+def training_step(run: Run, step: int, params: SamplingParams) -> dict:
+    """One step: rollout, rewards and advantages, pi_old and the anchor pass, the update, the
+    EMA; returns the step's metrics."""
+    cfg, model, timer = run.cfg, run.model, PhaseTimer()
+    with timer("rollout"):
+        examples, batch = sample_batch(run, params)
+    with timer("scoring"):
+        scored = run.scorer(batch.texts, examples)
+        rewards = torch.tensor(scored.rewards)
+        advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage)
+    old, correction_metrics = old_policy(cfg, model, batch, params.topk, timer)  # timed when recomputed
+    with timer("anchor"):
+        ref = anchor_pass(cfg, run.anchor, batch, old, run.vocab) if run.anchor is not None else None
+    with timer("update"):
+        stats = update(run, batch, advantages.to(batch.sequences.device), old, ref, timer)
+    if run.anchor is not None and cfg.anchor.period_unit == "training_steps":
+        with timer("ema"):
+            run.anchor.step(model, step)
+    mask = batch.response_mask
+    reward_sum, errors, timeouts, entropy_sum, tokens, n = distributed.sum_all(
+        float(rewards.sum()),
+        scored.errors,
+        scored.timeouts,
+        float((batch.entropy * mask).sum()),
+        float(mask.sum()),
+        len(examples),
+    )
+    return {
+        "step": step,
+        "reward/mean": reward_sum / n,
+        "reward/errors": int(errors),
+        "reward/timeouts": int(timeouts),
+        **reward_part_metrics(run.task, scored),
+        "train/skipped_steps": run.state.skipped_steps,
+        **stats,
+        **correction_metrics,
+        "entropy": entropy_sum / max(tokens, 1.0),
+        "response_length/mean": tokens / n,
+        **task_metrics(run.task, batch.texts, examples),
+        "anchor/updates": run.anchor.updates if run.anchor else 0,
+        "lr": run.scheduler.get_last_lr()[0],
+        **{f"time/{k}_s": v for k, v in timer.seconds.items()},
+        "time/step_s": sum(timer.seconds.values()),
+    }
+
+
 def train_loop(run: Run) -> dict:
-    cfg, state, model = run.cfg, run.state, run.model
+    cfg, state = run.cfg, run.state
     if run.start == 0:
         state.accuracy_before, eval_metrics = evaluate(run, 0)
         state.accuracy = state.accuracy_before
         if run.log:
             run.log.log({"step": 0, "eval/accuracy": state.accuracy, **eval_metrics})
-    reverse_topk = cfg.kl.estimator in kl.TOPK and cfg.kl.direction == "reverse" and run.anchor is not None
-    params = rollout_params(cfg, topk=min(cfg.kl.k, run.vocab) if reverse_topk else 0)
+    # The engine records the top-k ids of what it samples only where they may form q (a recomputed
+    # pi_old brings its own).
+    sampling_q = kl.q_source(cfg.kl.estimator, cfg.kl.direction) == "sampling" and run.anchor is not None
+    params = rollout_params(cfg, topk=min(cfg.kl.k, run.vocab) if sampling_q else 0)
     bar = tqdm(
-        range(run.start + 1, cfg.train.steps + 1), desc=cfg.train.name, initial=run.start,
-        total=cfg.train.steps, disable=not (cfg.train.progress and distributed.is_main()),
-    )  # fmt: skip
+        range(run.start + 1, cfg.train.steps + 1),
+        desc=cfg.train.name,
+        initial=run.start,
+        total=cfg.train.steps,
+        disable=not (cfg.train.progress and distributed.is_main()),
+    )
     for step in bar:
-        timer = PhaseTimer()
-        with timer("rollout"):
-            examples = [
-                e
-                for e in run.sampler.take(cfg.rollout.prompts_per_step)
-                for _ in range(cfg.rollout.group_size)
-            ]
-            rows = distributed.shard_rows(len(examples))  # whole groups: prompts_per_step % world == 0
-            examples = examples[rows]
-            run.engine.sync_weights(model, state.optimizer_steps)
-            batch = sample_examples(
-                run.engine, run.tokenizer, run.task, examples, params, chat_template=cfg.model.chat_template,
-                eos=run.eos, rows=range(rows.start, rows.stop),
-            ).to(next(model.parameters()).device)  # fmt: skip
-            run.engine.sleep()  # a colocated engine frees its memory for the passes below
-
-        with timer("scoring"):
-            scored = run.scorer(batch.texts, examples)
-            rewards = torch.tensor(scored.rewards)
-            advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage).to(
-                rewards.device
-            )
-
-        old, correction_metrics = old_policy(
-            cfg, model, batch, params.topk, timer
-        )  # its own phase when recomputed
-
-        with timer("anchor"):
-            ref = anchor_pass(cfg, run.anchor, batch, old, run.vocab) if run.anchor is not None else None
-
-        with timer("update"):
-            stats = update(run, batch, advantages.to(batch.sequences.device), old, ref, timer)
-        if run.anchor is not None and cfg.anchor.period_unit == "training_steps":
-            with timer("ema"):
-                run.anchor.step(model, step)
-
-        mask = batch.response_mask
-        reward_sum, errors, timeouts, entropy_sum, tokens, n = distributed.sum_all(
-            float(rewards.sum()), scored.errors, scored.timeouts, float((batch.entropy * mask).sum()),
-            float(mask.sum()), len(examples),
-        )  # fmt: skip
-        record = {
-            "step": step,
-            "reward/mean": reward_sum / n,
-            "reward/errors": int(errors),
-            "reward/timeouts": int(timeouts),
-            **reward_part_metrics(run.task, scored),
-            "train/skipped_steps": state.skipped_steps,
-            **stats,
-            **correction_metrics,
-            "entropy": entropy_sum / max(tokens, 1.0),
-            "response_length/mean": tokens / n,
-            **task_metrics(run.task, batch.texts, examples),
-            "anchor/updates": run.anchor.updates if run.anchor else 0,
-            "lr": run.scheduler.get_last_lr()[0],
-            **{f"time/{k}_s": v for k, v in timer.seconds.items()},
-            "time/step_s": sum(timer.seconds.values()),
-        }
+        record = training_step(run, step, params)
         if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
             state.accuracy, eval_metrics = evaluate(run, step)
             record.update({"eval/accuracy": state.accuracy, **eval_metrics})

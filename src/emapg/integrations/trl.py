@@ -28,9 +28,11 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from emapg import kl
-from emapg.anchor import Anchor
+from emapg.anchor import Anchor, EMASchedule
 from emapg.errors import EmapgError
+from emapg.kl import KLSettings
 from emapg.lm_head import backbone, final_hidden, head_of
+from emapg.settings import validated
 from emapg.topk import Summary
 
 
@@ -83,15 +85,14 @@ class EMAPGConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        kl.check_estimator(self.kl_estimator, self.kl_direction)
-        if self.kl_topk < 0:
-            raise EmapgError(f"EMAPGConfig.kl_topk must be >= 0; got {self.kl_topk}")
-        if not 0.0 <= self.anchor_ema_eta <= 1.0:
-            raise EmapgError(f"EMAPGConfig.anchor_ema_eta must be in [0, 1]; got {self.anchor_ema_eta}")
-        if self.anchor_update_period < 1:
-            raise EmapgError(
-                f"EMAPGConfig.anchor_update_period must be >= 1; got {self.anchor_update_period}"
-            )
+        names = {f: f"EMAPGConfig.kl_{f}" for f in ("estimator", "direction")} | {"k": "EMAPGConfig.kl_topk"}
+        values = {"estimator": self.kl_estimator, "direction": self.kl_direction, "k": self.kl_topk}
+        validated(KLSettings, values, "kl", names)
+        EMASchedule.of(
+            self.anchor_ema_eta,
+            self.anchor_update_period,
+            {"eta": "EMAPGConfig.anchor_ema_eta", "update_period": "EMAPGConfig.anchor_update_period"},
+        )
         if self.beta <= 0:
             raise EmapgError(f"EMAPGConfig.beta must be > 0 (the KL coefficient); got {self.beta}")
         if self.sync_ref_model:
@@ -138,10 +139,11 @@ class EMAPGTrainer(GRPOTrainer):
         )
         self.add_callback(_AnchorStep(self))
         self.kl_estimator, self.kl_direction = args.kl_estimator, args.kl_direction
-        self.uses_topk = args.kl_estimator not in kl.SAMPLED
+        self.q_source = kl.q_source(args.kl_estimator, args.kl_direction)
+        self.uses_topk = self.q_source != "none"
         vocab = policy.get_output_embeddings().weight.shape[0]
         # "exact" is the top-k estimator with q = the whole vocabulary (O(V) per token, as exact KL is).
-        self.kl_topk = vocab if args.kl_estimator == "exact" else args.kl_topk
+        self.kl_topk = vocab if self.q_source == "vocab" else args.kl_topk
         if self.uses_topk:
             for model in (policy, self.anchor.model):
                 self._head(model)
@@ -212,7 +214,7 @@ class EMAPGTrainer(GRPOTrainer):
         tokens = out["completion_ids"].unsqueeze(-1)
         completion_len = tokens.shape[1]
         ref_hidden = self._completion_hidden(self.ref_model, input_ids, attention_mask, completion_len)
-        if self.kl_direction == "forward":  # q = the anchor's own top-k: one anchor pass gives everything
+        if self.q_source == "anchor":  # the anchor's own top-k: one anchor pass gives everything
             ref = self._head_summary(self.ref_model, ref_hidden, tokens, topk=self.kl_topk)
             head_ids, ref_logp, ref_head_logp = ref.topk_ids, ref.logp()[..., 0], ref.topk_logp
         else:
@@ -277,9 +279,12 @@ class EMAPGTrainer(GRPOTrainer):
         if not self.uses_topk:
             weight = None if sampling_logp is None else kl.importance_weight(logp, sampling_logp)
             return kl.from_logprobs(
-                logp, inputs["ref_per_token_logps"], estimator=self.kl_estimator, direction=self.kl_direction,
+                logp,
+                inputs["ref_per_token_logps"],
+                estimator=self.kl_estimator,
+                direction=self.kl_direction,
                 weight=weight,
-            )  # fmt: skip
+            )
         # The fused LM head of TRL returns log pi(p) only, so the policy's logits at q cost a
         # second, chunked LM-head pass (forward and backward) over the captured hidden states.
         tokens = inputs["completion_ids"].unsqueeze(-1)

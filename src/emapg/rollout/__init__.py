@@ -1,24 +1,50 @@
-"""Rollout engines: sample responses and record what the KL needs from the sampling pass."""
+"""Rollout engines: sample responses and record what the KL needs from the sampling pass.
 
+Engines are found by `rollout.engine` in a registry whose entries carry the engine's factory
+and its settings (the `rollout` section, extended by the engine's own fields):
+
+    from emapg.rollout import register_engine
+    register_engine("my_engine", lambda cfg, model, tokenizer, model_dir: MyEngine(...), config=MySettings)
+"""
+
+from __future__ import annotations
+
+from emapg.rollout import hf, vllm
 from emapg.rollout.base import (
-    ChatPrompt,
     Rollout,
     RolloutEngine,
+    RolloutSettings,
     SamplingParams,
-    encode_prompts,
     eos_ids,
     left_pad,
 )
+from emapg.settings import Registry
 
-ENGINES = ("hf", "vllm")
+ENGINES = Registry("rollout.engine", RolloutSettings)
+
+
+def register_engine(name: str, factory, config: type[RolloutSettings] | None = None) -> None:
+    """`rollout.engine=name` builds its engine with `factory(cfg, model, tokenizer, model_dir)`;
+    `config` is its `rollout` section (a RolloutSettings subclass; default: RolloutSettings)."""
+    ENGINES.register(name, factory, config)
+
+
+def make_engine(cfg, model, tokenizer, model_dir: str) -> RolloutEngine:
+    """The engine `cfg.rollout.engine` names, sampling from `model` (whose weights `model_dir` holds)."""
+    return ENGINES[cfg.rollout.engine].factory(cfg, model, tokenizer, model_dir)
+
+
+register_engine("hf", hf.make)
+register_engine("vllm", vllm.make, vllm.VllmSettings)
 
 __all__ = [
     "ENGINES",
-    "ChatPrompt",
     "Rollout",
     "RolloutEngine",
+    "RolloutSettings",
     "SamplingParams",
-    "encode_prompts",
     "eos_ids",
     "left_pad",
+    "make_engine",
+    "register_engine",
 ]

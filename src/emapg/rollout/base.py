@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Annotated, ClassVar, Protocol, runtime_checkable
 
 import torch
+from pydantic import StringConstraints
 from torch import Tensor, nn
 
-from emapg.tasks.base import ChatPrompt
+from emapg.settings import Float, Section, setting
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -143,6 +144,32 @@ def rollout_from_rows(
     )
 
 
+class RolloutSettings(Section):
+    """The `rollout` section: the batch each step samples and how. Its engine's own settings
+    (`rollout.engine=vllm`: rollout.vllm.VllmSettings) extend it."""
+
+    key: ClassVar[str] = "rollout"
+    prompts_per_step: int = setting(32, "prompts per rollout batch", ge=1)
+    group_size: int = setting(8, "samples per prompt (GRPO group)", ge=1)
+    max_new_tokens: int = setting(
+        8, "response length limit in tokens; multi-turn episodes (search): per model turn", ge=1
+    )
+    temperature: Float = setting(
+        1.0, "sampling temperature; the policy is softmax(logits / temperature)", gt=0
+    )
+    top_p: Float = setting(
+        1.0,
+        "nucleus sampling; < 1 samples from a truncated policy, corrected by algo.rollout_correction",
+        gt=0,
+        le=1,
+    )
+    stop: list[Annotated[str, StringConstraints(min_length=1)]] = setting(
+        [], "stop strings that end a response (besides EOS)"
+    )
+    batch_size: int = setting(256, "sequences per generate call (training and evaluation)", ge=1)
+    engine: str = setting("hf", "a registered engine: hf (transformers generate) or vllm (docs/vllm.md)")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one response per prompt."""
@@ -185,28 +212,6 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release what the engine holds (memory, processes)."""
         ...
-
-
-def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], chat_template: bool = True
-) -> list[list[int]]:
-    """Token ids of each prompt as the model sees it before its response.
-
-    With a chat template (and `chat_template` True) a prompt is one user turn (a ChatPrompt: its
-    messages) plus the generation prompt, and the template writes its own special tokens (BOS
-    included); without one it is the plain text with the tokenizer's special tokens.
-    """
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        texts = [
-            tokenizer.apply_chat_template(
-                list(p.messages) if isinstance(p, ChatPrompt) else [{"role": "user", "content": p}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            for p in prompts
-        ]
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return tokenizer(list(prompts))["input_ids"]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:

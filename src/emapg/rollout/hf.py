@@ -134,6 +134,11 @@ class _EndTracker(StoppingCriteria):
         return self.length >= 0
 
 
+def make(cfg, model, tokenizer, model_dir: str) -> HFEngine:
+    """The engine `rollout.engine=hf` builds: generate with the live policy module itself."""
+    return HFEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+
+
 class HFEngine:
     """The rollout engine on Hugging Face `generate` with the KV cache (see the module doc).
 
@@ -168,14 +173,12 @@ class HFEngine:
         )
         prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
         prompt_ids, prompt_mask, rows = prompt_ids.to(device), prompt_mask.to(device), rows.to(device)
-        prompt_len = prompt_ids.shape[1]
-        eos = eos_ids(model, tokenizer)
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=False,  # argmax of _RowSampler's scores when sampling
             top_k=None,  # GenerationConfig's default top_k=50 would be one more warper
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos,
+            eos_token_id=eos_ids(model, tokenizer),
         )
         seed = params.seed
         if seed is None and not params.greedy:
@@ -187,55 +190,69 @@ class HFEngine:
         # Under torchrun (FSDP) every rank must run as many generate calls as the busiest one.
         for _ in range(distributed.max_one(len(starts)) - len(starts)):
             model.generate(
-                input_ids=prompt_ids[:1], attention_mask=prompt_mask[:1], generation_config=config,
-                max_new_tokens=1, synced_gpus=True,
-            )  # fmt: skip
-        for a in starts:
-            ids, mask = prompt_ids[a : a + self.batch_size], prompt_mask[a : a + self.batch_size]
-            recorder = _SamplingRecorder(
-                params.temperature, params.topk, 1.0 if params.greedy else params.top_p
-            )
-            processors = [recorder]
-            if not params.greedy:
-                processors.append(
-                    _RowSampler(params.temperature, params.top_p, seed, rows[a : a + self.batch_size],
-                                params.max_new_tokens)
-                )  # fmt: skip
-            ends = _EndTracker(prompt_len, ids.shape[0], eos, tokenizer, list(params.stop), device)
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=prompt_ids[:1],
+                attention_mask=prompt_mask[:1],
                 generation_config=config,
-                logits_processor=processors,
-                stopping_criteria=[ends],
-                synced_gpus=distributed.world() > 1,  # FSDP: every rank runs each forward until all end
+                max_new_tokens=1,
+                synced_gpus=True,
             )
-            logp, top, entropy = recorder.finish(out[:, -1])
-            length = torch.where(ends.length < 0, out.shape[1] - prompt_len, ends.length)
-            parts.append((out[:, prompt_len:], logp, top, entropy, length, ends.length < 0))
+        for a in starts:
+            end = a + self.batch_size
+            parts.append(
+                self._generate(prompt_ids[a:end], prompt_mask[a:end], rows[a:end], params, seed, config)
+            )
         model.train(was_training)
+        return _assemble(parts, prompt_ids, prompt_mask, tokenizer)
 
-        width = max(p[0].shape[1] for p in parts)
-        responses = torch.cat([_pad_right(p[0], width, tokenizer.pad_token_id) for p in parts])
-        logp, top, entropy = (torch.cat([_pad_right(p[i], width, 0) for p in parts]) for i in (1, 2, 3))
-        lengths = torch.cat([p[4] for p in parts])
-        response_mask = torch.arange(width, device=device) < lengths.unsqueeze(1)
-        responses = responses.masked_fill(~response_mask, tokenizer.pad_token_id)
-        texts = [
-            tokenizer.decode(r[:n], skip_special_tokens=True)
-            for r, n in zip(responses, lengths.tolist(), strict=True)
-        ]
-        return Rollout(
-            sequences=torch.cat([prompt_ids, responses], 1),
-            attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
-            prompt_len=prompt_len,
-            response_mask=response_mask,
-            sampling_logp=logp.masked_fill(~response_mask, 0.0),
-            topk_ids=top,
-            entropy=entropy.masked_fill(~response_mask, 0.0),
-            texts=texts,
-            truncated=torch.cat([p[5] for p in parts]),
+    def _generate(
+        self, ids: Tensor, mask: Tensor, rows: Tensor, params: SamplingParams, seed, config
+    ) -> tuple:
+        """One generate call: (responses, log-probs, top-k ids, entropy, lengths, truncated)."""
+        prompt_len = ids.shape[1]
+        recorder = _SamplingRecorder(params.temperature, params.topk, 1.0 if params.greedy else params.top_p)
+        processors = [recorder]
+        if not params.greedy:
+            processors.append(
+                _RowSampler(params.temperature, params.top_p, seed, rows, params.max_new_tokens)
+            )
+        eos = config.eos_token_id
+        ends = _EndTracker(prompt_len, ids.shape[0], eos, self.tokenizer, list(params.stop), ids.device)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=config,
+            logits_processor=processors,
+            stopping_criteria=[ends],
+            synced_gpus=distributed.world() > 1,  # FSDP: every rank runs each forward until all end
         )
+        logp, top, entropy = recorder.finish(out[:, -1])
+        length = torch.where(ends.length < 0, out.shape[1] - prompt_len, ends.length)
+        return out[:, prompt_len:], logp, top, entropy, length, ends.length < 0
+
+
+def _assemble(parts: list[tuple], prompt_ids: Tensor, prompt_mask: Tensor, tokenizer) -> Rollout:
+    """The generate calls' outputs as one Rollout, responses right-padded to the longest."""
+    width = max(p[0].shape[1] for p in parts)
+    responses = torch.cat([_pad_right(p[0], width, tokenizer.pad_token_id) for p in parts])
+    logp, top, entropy = (torch.cat([_pad_right(p[i], width, 0) for p in parts]) for i in (1, 2, 3))
+    lengths = torch.cat([p[4] for p in parts])
+    response_mask = torch.arange(width, device=responses.device) < lengths.unsqueeze(1)
+    responses = responses.masked_fill(~response_mask, tokenizer.pad_token_id)
+    texts = [
+        tokenizer.decode(r[:n], skip_special_tokens=True)
+        for r, n in zip(responses, lengths.tolist(), strict=True)
+    ]
+    return Rollout(
+        sequences=torch.cat([prompt_ids, responses], 1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
+        prompt_len=prompt_ids.shape[1],
+        response_mask=response_mask,
+        sampling_logp=logp.masked_fill(~response_mask, 0.0),
+        topk_ids=top,
+        entropy=entropy.masked_fill(~response_mask, 0.0),
+        texts=texts,
+        truncated=torch.cat([p[5] for p in parts]),
+    )
 
 
 def _pad_right(x: Tensor, width: int, value) -> Tensor:

@@ -17,40 +17,23 @@ response capped at `max_response_tokens`. An environment may carry `max_observat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from emapg import distributed
+from emapg.prompts import encode_prompts
 from emapg.rollout.base import (
     ResponseRow,
     Rollout,
     RolloutEngine,
     SamplingParams,
-    encode_prompts,
     rollout_from_rows,
 )
-
-
-@runtime_checkable
-class Environment(Protocol):
-    """What answers the model in multi-turn episodes; one instance serves one batch of episodes.
-    Turn counting is the environment's: it ends an episode by returning None."""
-
-    stop: tuple[str, ...]  # strings that end a model turn (e.g. "</search>"), besides EOS
-    max_context: int | None  # prompt + episode tokens an episode may reach (None: no cap)
-    max_observation_tokens: int | None  # inserted text is cut to this many tokens (None: no cut)
-
-    def reset(self, prompts: Sequence[str]) -> None:
-        """Begin one episode per prompt (the task's prompt text, before any chat template)."""
-        ...
-
-    def step(self, episodes: Sequence[int], turns: Sequence[str]) -> list[str | None]:
-        """The model's latest turn of each listed episode -> text to insert, or None: done."""
-        ...
+from emapg.tasks.base import Environment
 
 
 @torch.no_grad()
@@ -84,63 +67,81 @@ def run_episodes(
     """
     rows = list(range(len(prompts))) if rows is None else list(rows)
     env.reset(prompts)
-    episodes = [ResponseRow() for _ in prompts]
+    episodes = _Episodes(prompt_ids, max_context, max_response_tokens, max_observation_tokens, params.topk)
     turn_params = replace(params, stop=(*env.stop, *params.stop))
     eos = set(eos)
-    k = params.topk
-    inf = float("inf")
-
-    def room(i: int) -> float:
-        """Tokens episode i may still add under the context and response caps."""
-        used = len(episodes[i].ids)
-        context = inf if max_context is None else max_context - len(prompt_ids[i]) - used
-        response = inf if max_response_tokens is None else max_response_tokens - used
-        return min(context, response)
-
-    active = [i for i in range(len(prompts)) if room(i) > 0]
+    active = [i for i in range(len(prompts)) if episodes.room(i) > 0]
     # Under torchrun every rank runs a turn while any rank has an episode left (FSDP's forward
     # passes are collective): a rank with none left runs a padding turn of one token.
     while distributed.max_one(len(active)) > 0:
         if not active:
             engine.sample([list(prompt_ids[0])], replace(turn_params, max_new_tokens=1), rows=[rows[0]])
             continue
-        budget = [int(min(params.max_new_tokens, room(i))) for i in active]
+        budget = [int(min(params.max_new_tokens, episodes.room(i))) for i in active]
         out = engine.sample(
-            [list(prompt_ids[i]) + episodes[i].ids for i in active],
+            [list(prompt_ids[i]) + episodes.rows[i].ids for i in active],
             replace(turn_params, max_new_tokens=max(budget)),
             rows=[rows[i] for i in active],
         )
         answering, turns = [], []
         for row, (i, limit) in enumerate(zip(active, budget, strict=True)):
-            n = min(int(out.response_mask[row].sum()), limit)  # a turn may not outrun its own limit
-            new = out.responses[row, :n].tolist()
-            episodes[i].add(
-                new, True, out.sampling_logp[row, :n].tolist(), out.topk_ids[row, :n].tolist(),
-                out.entropy[row, :n].tolist(),
-            )  # fmt: skip
+            new = episodes.add_turn(i, out, row, limit)
             ended = bool(new) and new[-1] in eos
-            if room(i) <= 0:
-                episodes[i].truncated = not ended  # no room left: the episode is cut
+            if episodes.room(i) <= 0:
+                episodes.rows[i].truncated = not ended  # no room left: the episode is cut
             elif not ended:
                 answering.append(i)
                 turns.append(tokenizer.decode(new, skip_special_tokens=True))
-        active = []
-        for i, text in zip(answering, env.step(answering, turns) if answering else [], strict=True):
-            if text is None:
-                continue
-            inserted = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if max_observation_tokens is not None:
-                inserted = inserted[:max_observation_tokens]
-            left = room(i)
-            inserted = inserted if left == inf else inserted[: int(left)]
-            episodes[i].add(
-                inserted, False, [0.0] * len(inserted), [[0] * k] * len(inserted), [0.0] * len(inserted)
-            )
-            if room(i) > 0:
-                active.append(i)
-            else:
-                episodes[i].truncated = True
-    return rollout_from_rows(episodes, prompt_ids, tokenizer, k)
+        replies = env.step(answering, turns) if answering else []
+        active = [
+            i
+            for i, text in zip(answering, replies, strict=True)
+            if text is not None and episodes.insert(i, tokenizer(text, add_special_tokens=False)["input_ids"])
+        ]
+    return rollout_from_rows(episodes.rows, prompt_ids, tokenizer, params.topk)
+
+
+class _Episodes:
+    """The episodes of one `run_episodes` call: each one's tokens so far, and the caps on them."""
+
+    def __init__(self, prompt_ids, max_context, max_response_tokens, max_observation_tokens, k: int):
+        self.prompt_ids, self.k = prompt_ids, k
+        self.max_context, self.max_response_tokens = max_context, max_response_tokens
+        self.max_observation_tokens = max_observation_tokens
+        self.rows = [ResponseRow() for _ in prompt_ids]
+
+    def room(self, i: int) -> float:
+        """Tokens episode i may still add under the context and response caps."""
+        used = len(self.rows[i].ids)
+        context = math.inf if self.max_context is None else self.max_context - len(self.prompt_ids[i]) - used
+        response = math.inf if self.max_response_tokens is None else self.max_response_tokens - used
+        return min(context, response)
+
+    def add_turn(self, i: int, out: Rollout, row: int, limit: int) -> list[int]:
+        """Row `row` of the engine's output, up to its own `limit`, as episode i's next model turn."""
+        n = min(int(out.response_mask[row].sum()), limit)
+        new = out.responses[row, :n].tolist()
+        self.rows[i].add(
+            new,
+            True,
+            out.sampling_logp[row, :n].tolist(),
+            out.topk_ids[row, :n].tolist(),
+            out.entropy[row, :n].tolist(),
+        )
+        return new
+
+    def insert(self, i: int, ids: list[int]) -> bool:
+        """The environment's reply, cut to the observation cap and the room left, into episode i
+        (not sampled: masked out of the loss); False when the episode has no room left after it."""
+        if self.max_observation_tokens is not None:
+            ids = ids[: self.max_observation_tokens]
+        left = self.room(i)
+        ids = ids if left == math.inf else ids[: int(left)]
+        self.rows[i].add(ids, False, [0.0] * len(ids), [[0] * self.k] * len(ids), [0.0] * len(ids))
+        if self.room(i) > 0:
+            return True
+        self.rows[i].truncated = True
+        return False
 
 
 def sample_examples(
@@ -163,6 +164,14 @@ def sample_examples(
     if env is None:
         return engine.sample(prompt_ids, params, rows=rows)
     return run_episodes(
-        engine, env, tokenizer, prompts, prompt_ids, params, eos=eos, rows=rows,
-        max_context=env.max_context, max_observation_tokens=env.max_observation_tokens,
-    )  # fmt: skip
+        engine,
+        env,
+        tokenizer,
+        prompts,
+        prompt_ids,
+        params,
+        eos=eos,
+        rows=rows,
+        max_context=env.max_context,
+        max_observation_tokens=env.max_observation_tokens,
+    )

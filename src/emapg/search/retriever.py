@@ -106,20 +106,45 @@ def build_index(corpus: str | Path, index_dir: str | Path, *, buckets: int | Non
     distinct term of each document, deleted at the end. Returns the index's metadata."""
     corpus, index_dir = Path(corpus).expanduser(), Path(index_dir)
     from bm25s import __version__ as bm25s_version
-    from bm25s.stopwords import STOPWORDS_EN
 
     stat = corpus.stat()
     n_buckets = buckets or min(512, max(1, math.ceil(stat.st_size / BUCKET_BYTES)))
     if index_dir.exists():
         shutil.rmtree(index_dir)
-    scratch = index_dir / "scratch"
-    scratch.mkdir(parents=True)
+    (index_dir / "scratch").mkdir(parents=True)
+    digest = hashlib.sha256()
+    vocab, df, doc_len = _scan(corpus, index_dir, n_buckets, digest)
+    if not len(doc_len):
+        shutil.rmtree(index_dir)
+        raise EmapgError(f"retriever corpus {str(corpus)!r} has no documents")
+    final = _write_scores(index_dir, n_buckets, df, doc_len)
+    vocab_final = dict(zip(vocab, final.tolist(), strict=True))
+    vocab.clear()  # one vocabulary in memory at a time
+    vocab_final[""] = len(final)  # bm25s's empty token, which matches no document
+    with (index_dir / "vocab.index.json").open("w", encoding="utf-8") as f:
+        json.dump(vocab_final, f, ensure_ascii=False)
+    del vocab_final
+    params = {"k1": K1, "b": B, "delta": 0.5, "method": "lucene", "idf_method": "lucene",
+              "dtype": "float32", "int_dtype": "int32", "num_docs": len(doc_len),
+              "version": bm25s_version, "backend": "numpy"}  # fmt: skip
+    (index_dir / "params.index.json").write_text(json.dumps(params, indent=4))
+    meta = {"format": INDEX_FORMAT, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "sha256": digest.hexdigest(), "num_docs": len(doc_len)}  # fmt: skip
+    (index_dir / "meta.json").write_text(json.dumps(meta))  # last: its presence marks a complete index
+    return meta
+
+
+def _scan(corpus: Path, index_dir: Path, n_buckets: int, digest) -> tuple[dict, np.ndarray, np.ndarray]:
+    """One pass over the corpus: each document's byte span to offsets.i64, its (document, term,
+    count) triples to scratch/<term % n_buckets>.i32; returns the vocabulary (term -> first-seen
+    id), the documents per term and the tokens per document (stopwords removed)."""
+    from bm25s.stopwords import STOPWORDS_EN
+
     stop, findall = frozenset(STOPWORDS_EN), _TOKEN.findall
     vocab: dict[str, int] = {}
     df = np.zeros(1024, np.int64)  # documents per term, by first-seen term id
-    lengths: list[np.ndarray] = []  # tokens per document (stopwords removed), per chunk
-    digest = hashlib.sha256()
-    files = [(scratch / f"{b}.i32").open("wb") for b in range(n_buckets)]
+    lengths: list[np.ndarray] = []  # tokens per document, per chunk
+    files = [(index_dir / "scratch" / f"{b}.i32").open("wb") for b in range(n_buckets)]
 
     def flush(chunk: list[list[int]]) -> None:
         nonlocal df
@@ -164,11 +189,13 @@ def build_index(corpus: str | Path, index_dir: str | Path, *, buckets: int | Non
     for f in files:
         f.close()
     doc_len = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
-    n_docs, n_vocab = len(doc_len), len(vocab)
-    if not n_docs:
-        shutil.rmtree(index_dir)
-        raise EmapgError(f"retriever corpus {str(corpus)!r} has no documents")
-    df = df[:n_vocab]
+    return vocab, df[: len(vocab)], doc_len
+
+
+def _write_scores(index_dir: Path, n_buckets: int, df: np.ndarray, doc_len: np.ndarray) -> np.ndarray:
+    """The score matrix (CSC, a column per term) from the scratch buckets, which it deletes;
+    returns each first-seen term id's column."""
+    n_docs, n_vocab = len(doc_len), len(df)
     avg_len = float(doc_len.sum(dtype=np.int64)) / n_docs
     # idf as bm25s computes it (Lucene's), one Python float per term, stored as float32
     idf = np.fromiter(
@@ -183,13 +210,11 @@ def build_index(corpus: str | Path, index_dir: str | Path, *, buckets: int | Non
     indptr = np.zeros(n_vocab + 1, np.int64)
     indptr[final + 1] = df
     np.cumsum(indptr, out=indptr)
-    nnz = int(indptr[-1])
-
-    data_f = _write_npy(index_dir / "data.csc.index.npy", "float32", (nnz,))
-    indices_f = _write_npy(index_dir / "indices.csc.index.npy", "int32", (nnz,))
+    data_f = _write_npy(index_dir / "data.csc.index.npy", "float32", (int(indptr[-1]),))
+    indices_f = _write_npy(index_dir / "indices.csc.index.npy", "int32", (int(indptr[-1]),))
     with data_f, indices_f:
         for b in range(n_buckets):
-            path = scratch / f"{b}.i32"
+            path = index_dir / "scratch" / f"{b}.i32"
             triples = np.fromfile(path, np.int32).reshape(-1, 3)
             path.unlink()
             doc, term, tf = triples[:, 0], triples[:, 1], triples[:, 2]
@@ -201,22 +226,9 @@ def build_index(corpus: str | Path, index_dir: str | Path, *, buckets: int | Non
             score = idf[term].astype(np.float64) * (tf / (norm + tf))
             data_f.write(score.astype(np.float32).tobytes())
             indices_f.write(doc.astype(np.int32).tobytes())
-    scratch.rmdir()
+    (index_dir / "scratch").rmdir()
     np.save(index_dir / "indptr.csc.index.npy", indptr)
-    vocab_final = dict(zip(vocab, final.tolist(), strict=True))
-    vocab.clear()  # one vocabulary in memory at a time
-    vocab_final[""] = n_vocab  # bm25s's empty token, which matches no document
-    with (index_dir / "vocab.index.json").open("w", encoding="utf-8") as f:
-        json.dump(vocab_final, f, ensure_ascii=False)
-    del vocab_final
-    params = {"k1": K1, "b": B, "delta": 0.5, "method": "lucene", "idf_method": "lucene",
-              "dtype": "float32", "int_dtype": "int32", "num_docs": n_docs,
-              "version": bm25s_version, "backend": "numpy"}  # fmt: skip
-    (index_dir / "params.index.json").write_text(json.dumps(params, indent=4))
-    meta = {"format": INDEX_FORMAT, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "sha256": digest.hexdigest(), "num_docs": n_docs}  # fmt: skip
-    (index_dir / "meta.json").write_text(json.dumps(meta))  # last: its presence marks a complete index
-    return meta
+    return final
 
 
 def _index_is_current(corpus: Path, index_dir: Path) -> bool:
@@ -343,7 +355,7 @@ class HttpRetriever:
                     return _parse_result(json.loads(response.read()), len(queries))
             except urllib.error.HTTPError as e:  # the server answered: retrying will not help
                 detail = " ".join(e.read().decode(errors="replace")[:200].split())
-                hint = " (lower retriever.max_queries_per_request)" if e.code == 413 else ""
+                hint = " (lower task.max_queries_per_request)" if e.code == 413 else ""
                 raise EmapgError(f"retriever {self.url}: HTTP {e.code}: {detail}{hint}") from None
             except (OSError, ValueError) as e:  # refused, reset, timed out, or not JSON
                 error = str(getattr(e, "reason", e))

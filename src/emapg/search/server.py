@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # not imported at run time: the CLI reads MAX_QUERIES without
 
 MAX_BODY_BYTES = 1 << 20
 # Search-R1's trainer sends a whole rollout batch in one request (512 prompts x 5 = 2560 in
-# the paper); emapg's client splits its batches (retriever.max_queries_per_request, 512).
+# the paper); emapg's client splits its batches (task.max_queries_per_request, 512).
 MAX_QUERIES = 4096
 MAX_TOPK = 100
 

@@ -1,10 +1,12 @@
 """Tasks: prompts, references and rewards, found by name in a registry.
 
     from emapg.tasks import register_task
-    register_task("my_task", lambda cfg: MyTask(...))   # then task.name=my_task
+    register_task("my_task", lambda cfg: MyTask(cfg.task.level), config=MySettings)
 
-A factory takes the run's Config and returns a `emapg.tasks.base.Task`. The built-in tasks
-are registered here; their modules load only when their task is made.
+Then `task.name=my_task task.level=3` sets and validates the task's own settings (MySettings,
+a subclass of TaskSettings or ProblemSettings). A factory takes the run's Config and returns an
+`emapg.tasks.base.Task`. `warm_start` (optional) gives the built-in tiny model's warm start for
+the task (an `emapg.sft.WarmStartRecipe`; default: its training examples).
 """
 
 from __future__ import annotations
@@ -12,67 +14,58 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from emapg.errors import EmapgError
-from emapg.tasks.base import Example, Task
+from emapg.settings import Registry
+from emapg.tasks import arithmetic, dataset, math, search
+from emapg.tasks.base import Example, ProblemSettings, Task, TaskSettings, WarmStartRecipe
 
-__all__ = ["Example", "Task", "make_task", "register_task", "task_names"]
+__all__ = [
+    "TASKS",
+    "Example",
+    "ProblemSettings",
+    "Task",
+    "TaskSettings",
+    "WarmStartRecipe",
+    "make_task",
+    "register_task",
+    "task_names",
+    "warm_start_recipe",
+]
 
-_FACTORIES: dict[str, Callable] = {}
+TASKS = Registry("task.name", TaskSettings)
 
 
-def register_task(name: str, factory: Callable) -> None:
-    """Make `task.name=<name>` build its task with `factory(cfg)`; a later call replaces it."""
-    if not name or not isinstance(name, str):
-        raise EmapgError(f"register_task: expected a non-empty name, got {name!r}")
-    _FACTORIES[name] = factory
+def register_task(
+    name: str,
+    factory: Callable,
+    config: type[TaskSettings] | None = None,
+    *,
+    warm_start: Callable | None = None,
+) -> None:
+    """`task.name=name` builds its task with `factory(cfg)`; `config` is its `task` section (a
+    TaskSettings subclass; default: TaskSettings alone). A later call replaces the entry."""
+    TASKS.register(name, factory, config, warm_start=warm_start)
 
 
 def task_names() -> list[str]:
-    return sorted(_FACTORIES)
+    return TASKS.names()
 
 
 def make_task(cfg) -> Task:
     """The task `cfg.task.name` names, built by its registered factory."""
     name = cfg.task.name
-    if name not in _FACTORIES:
-        raise EmapgError(f"task.name: unknown {name!r}; registered: {', '.join(task_names())}")
-    task = _FACTORIES[name](cfg)
+    task = TASKS[name].factory(cfg)
     if not isinstance(task, Task):
         raise EmapgError(f"task {name!r}: its factory returned {type(task).__name__}, not an emapg Task")
     return task
 
 
-def _arithmetic(cfg) -> Task:
-    from emapg.tasks.arithmetic import ArithmeticTask
-
-    t = cfg.task
-    return ArithmeticTask(
-        seed=t.seed,
-        num_train=t.num_train,
-        num_eval=t.num_eval,
-        min_digits=t.min_digits,
-        max_digits=t.max_digits,
-    )
+def warm_start_recipe(name: str, task: Task) -> WarmStartRecipe:
+    """How the built-in tiny model warm-starts for `task` (registered as `name`)."""
+    hook = TASKS[name].hooks.get("warm_start")
+    return hook(task) if hook else WarmStartRecipe(task, task.train_examples())
 
 
-def _math(cfg) -> Task:
-    from emapg.tasks import math
-
-    return math.from_config(cfg)
-
-
-def _search(cfg) -> Task:
-    from emapg.tasks import search
-
-    return search.from_config(cfg)
-
-
-def _dataset(cfg) -> Task:
-    from emapg.tasks import dataset
-
-    return dataset.from_config(cfg)
-
-
-register_task("arithmetic", _arithmetic)
-register_task("dataset", _dataset)
-register_task("math", _math)
-register_task("search", _search)
+register_task("arithmetic", arithmetic.ArithmeticTask.from_config, arithmetic.ArithmeticSettings)
+register_task("dataset", dataset.from_config, dataset.DatasetSettings, warm_start=dataset.warm_start)
+register_task("math", math.from_config, math.MathSettings, warm_start=math.warm_start)
+register_task("search", search.from_config, search.SearchSettings, warm_start=search.warm_start)

@@ -7,12 +7,29 @@ match of its first whitespace-separated word with the answer, so it is cheap and
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import model_validator
 
 from emapg.errors import EmapgError
-from emapg.tasks.base import Example, Task
+from emapg.settings import check, setting, validated
+from emapg.tasks.base import Example, ProblemSettings, Task, TaskSettings
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+class ArithmeticSettings(ProblemSettings):
+    """`task.name=arithmetic` (the default): generated problems `a op b =`."""
+
+    seed: int = setting(1234, "seed of the generated problems (independent of train.seed)")
+    min_digits: int = setting(1, "fewest digits of an operand", ge=1)
+    max_digits: int = setting(2, "most digits of an operand", ge=1)
+    ops: list[Literal["+", "-", "*"]] = setting(["+"], "operators drawn from", min_length=1)
+
+    @model_validator(mode="after")
+    def _digits(self):
+        check(self.min_digits <= self.max_digits, "task.min_digits must be <= task.max_digits")
+        return self
 
 
 class ArithmeticTask(Task):
@@ -20,42 +37,22 @@ class ArithmeticTask(Task):
 
     The digit count of each operand is drawn uniformly first, then the operand uniformly among
     numbers of that many digits, so short and long operands are equally common. Generation is
-    a pure function of the arguments; train and eval sets never share a problem.
+    a pure function of the settings; train and eval sets never share a problem. Keyword
+    arguments are ArithmeticSettings' fields.
     """
 
     name = "arithmetic"
     score_is_safe = True  # exact_match is string matching that cannot raise or hang: scored in-process
 
-    def __init__(
-        self,
-        *,
-        seed: int = 0,
-        num_train: int = 4000,
-        num_eval: int = 500,
-        min_digits: int = 1,
-        max_digits: int = 2,
-        ops: Sequence[str] = ("+",),
-    ) -> None:
-        if not 1 <= min_digits <= max_digits:
-            raise EmapgError(
-                f"arithmetic task: expected 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}"
-            )
-        bad = [op for op in ops if op not in OPS]
-        if bad or not ops:
-            raise EmapgError(
-                f"arithmetic task: ops must be a non-empty subset of {list(OPS)}, got {list(ops)}"
-            )
-        if num_train < 0 or num_eval < 0:
-            raise EmapgError(
-                f"arithmetic task: expected num_train, num_eval >= 0, got {num_train}, {num_eval}"
-            )
-        self.seed = seed
-        self.num_train = num_train
-        self.num_eval = num_eval
-        self.min_digits = min_digits
-        self.max_digits = max_digits
-        self.ops = tuple(ops)
+    def __init__(self, **settings) -> None:
+        s = validated(ArithmeticSettings, {"name": "arithmetic", **settings}, "task")
+        self.seed, self.num_train, self.num_eval = s.seed, s.num_train, s.num_eval
+        self.min_digits, self.max_digits, self.ops = s.min_digits, s.max_digits, tuple(s.ops)
         self._train, self._eval = self._generate()
+
+    @classmethod
+    def from_config(cls, cfg) -> ArithmeticTask:
+        return cls(**cfg.task.model_dump(exclude=set(TaskSettings.model_fields)))
 
     def train_examples(self) -> list[Example]:
         return list(self._train)
@@ -65,11 +62,6 @@ class ArithmeticTask(Task):
 
     def score(self, response: str, example: Example) -> float:
         return exact_match(response, example.answer)
-
-    @property
-    def max_answer_chars(self) -> int:
-        """The longest answer over both splits: a tight `max_new_tokens` for a character tokenizer."""
-        return max((len(ex.answer) for ex in self._train + self._eval), default=1)
 
     def __repr__(self) -> str:
         return (

@@ -1,27 +1,47 @@
-"""The task interface: prompts with references, a verifiable reward, and optional hooks."""
+"""The task interface: prompts with references, a verifiable reward, and optional hooks; and
+the settings every task's config section starts from."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from emapg.rollout.multiturn import Environment
+from emapg.rewards import ScoringSettings
+from emapg.settings import setting
 
 
-class ChatPrompt(str):
-    """A prompt of several chat messages: the text is their contents, one per line (what a
-    tokenizer without a chat template sees); `messages` is what the chat template gets."""
+class TaskSettings(ScoringSettings):
+    """The `task` section every task has. A task with settings of its own subclasses this (or
+    ProblemSettings) and registers it: `register_task(name, factory, config=MySettings)`; then
+    `task.name=NAME task.my_field=3` sets them."""
 
-    messages: tuple
+    name: str = setting("arithmetic", "a registered task (emapg.tasks.register_task); its own settings below")
 
-    def __new__(cls, messages):
-        self = super().__new__(cls, "\n".join(m["content"] for m in messages))
-        self.messages = tuple(dict(m) for m in messages)
-        return self
 
-    def __reduce__(self):
-        return ChatPrompt, (list(self.messages),)
+class ProblemSettings(TaskSettings):
+    """A task drawn from a set of problems: how many train on and how many evaluate."""
+
+    num_train: int = setting(4000, "training problems (at most)", ge=0)
+    num_eval: int = setting(200, "held-out problems for eval/accuracy (at most)", ge=0)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What answers the model in multi-turn episodes; one instance serves one batch of episodes.
+    Turn counting is the environment's: it ends an episode by returning None."""
+
+    stop: tuple[str, ...]  # strings that end a model turn (e.g. "</search>"), besides EOS
+    max_context: int | None  # prompt + episode tokens an episode may reach (None: no cap)
+    max_observation_tokens: int | None  # inserted text is cut to this many tokens (None: no cut)
+
+    def reset(self, prompts: Sequence[str]) -> None:
+        """Begin one episode per prompt (the task's prompt text, before any chat template)."""
+        ...
+
+    def step(self, episodes: Sequence[int], turns: Sequence[str]) -> list[str | None]:
+        """The model's latest turn of each listed episode -> text to insert, or None: done."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -46,7 +66,6 @@ class Task:
 
     name: str = "task"
     score_is_safe: bool = False  # True: score cannot raise or hang, so it runs in-process
-    tiny_extra_chars: str = ""  # characters the built-in character tokenizer must add for this task
     reward_range: tuple[float, float] = (0.0, 1.0)  # a score outside it is an error (reward 0, counted)
     reward_parts: tuple[str, ...] = ()  # names of the parts of a Reward that score returns
 
@@ -63,15 +82,18 @@ class Task:
         """Figures to log beside the reward, each a mean over the responses (e.g. calls per episode)."""
         return {}
 
-    def sft_examples(self) -> list[Example]:
-        """Supervised targets of the built-in model's warm start (default: the training examples;
-        an example may carry meta["segments"], (text, learn) pairs, for multi-turn episodes)."""
-        return self.train_examples()
-
-    def warm_start_task(self) -> Task:
-        """The task whose `sft_examples` warm-start the built-in tiny model (default: this one)."""
-        return self
-
     def environment(self) -> Environment | None:
         """A fresh environment for one batch of multi-turn episodes, or None (single turn)."""
         return None
+
+
+@dataclass
+class WarmStartRecipe:
+    """How the built-in tiny model is warm-started for a task (builtin:tiny only): supervised
+    targets, the characters its tokenizer must add, and the task that scores its stopping test.
+    A task registers a function task -> recipe (`register_task(..., warm_start=)`); by default
+    the recipe is the task's training examples."""
+
+    task: Task  # names the cached warm start and scores its held-out samples
+    examples: list[Example]  # prompt -> answer; meta["segments"]: (text, learn) pairs of an episode
+    extra_chars: str = ""  # characters the built-in character tokenizer must add

@@ -19,10 +19,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from pydantic import model_validator
+
 from emapg.errors import EmapgError
+from emapg.prompts import ChatPrompt
 from emapg.reward_fns import RewardFunction, RewardReturnError, load_reward_functions
 from emapg.rewards import Reward
-from emapg.tasks.base import ChatPrompt, Example, Task
+from emapg.settings import Float, check, setting
+from emapg.tasks.base import Example, ProblemSettings, Task, WarmStartRecipe
 from emapg.tasks.records import FILE_TYPES, read_records
 
 INSTALL_DATASETS = "pip install 'datasets>=3' (or: pip install 'emapg[datasets]')"
@@ -116,6 +120,38 @@ def _prompt(value, where: str):
     return ChatPrompt(value)
 
 
+class DatasetSettings(ProblemSettings):
+    """`task.name=dataset`: your data and TRL-style reward functions (docs/custom-tasks.md)."""
+
+    train_files: list[str] = setting(
+        [], "training data: files (.jsonl/.json/.parquet/.csv), save_to_disk directories or dataset names"
+    )
+    eval_files: list[str] = setting(
+        [], "held-out data (same forms); empty: the last num_eval training records"
+    )
+    prompt_field: str = setting(
+        "prompt", "the prompt's column: text, or chat messages [{role, content}]", min_length=1
+    )
+    answer_field: str = setting(
+        "", "column of reference completions; builtin:tiny warm-starts on them (empty: on arithmetic)"
+    )
+    reward_fns: list[str] = setting(
+        [], "reward functions module:function or path/to/file.py:function, TRL's signature"
+    )
+    reward_weights: list[Float] = setting([], "one weight per reward function (empty: all 1)")
+    train_split: str = setting("train", "split of a dataset name or of a saved DatasetDict, for training")
+    eval_split: str = setting("test", "split of a dataset name or of a saved DatasetDict, for evaluation")
+    dataset_config: str = setting("", "configuration name of a dataset (e.g. main for gsm8k)")
+
+    @model_validator(mode="after")
+    def _needs_data(self):
+        check(
+            bool(self.train_files),
+            "task.train_files: the dataset task needs training data (files, a directory or a dataset name)",
+        )
+        return self
+
+
 class DatasetTask(Task):
     """Prompts from rows of data, rewards from TRL-style reward functions; see the module doc."""
 
@@ -131,16 +167,12 @@ class DatasetTask(Task):
         prompt_field: str = "prompt",
         answer_field: str = "",
         sources: tuple[str, str] = ("train data", "eval data"),
-        base_warm_start: Task | None = None,
     ):
         self.prompt_field, self.answer_field = prompt_field, answer_field
         self.fns = reward_fns
         self.reward_parts = tuple(f.name for f in reward_fns)
-        self.base_warm_start = base_warm_start
         self._train = self._examples(train_rows, sources[0], "task.train_files")
         self._eval = self._examples(eval_rows, sources[1], "task.eval_files")
-        if answer_field:
-            self.tiny_extra_chars = _chars(e.prompt + e.answer for e in self._train + self._eval)
 
     def _examples(self, rows: list[dict], source: str, field: str) -> list[Example]:
         if not rows:
@@ -187,25 +219,9 @@ class DatasetTask(Task):
             raise RewardReturnError("every reward function returned None")
         return Reward(sum(w * v for w, v in given), parts)
 
-    def sft_examples(self) -> list[Example]:
-        if not self.answer_field:
-            raise EmapgError(
-                "dataset task: warm-start examples need task.answer_field (reference completions)"
-            )
-        return self.train_examples()
-
-    def warm_start_task(self) -> Task:
-        """Warm-start on the data's reference completions (task.answer_field), else the built-in
-        warm start (the quickstart's arithmetic one)."""
-        if self.answer_field or self.base_warm_start is None:
-            return self
-        return self.base_warm_start
-
     # The reward worker needs the functions, not the data: send their import paths.
     def __getstate__(self) -> dict:
-        state = {
-            k: v for k, v in self.__dict__.items() if k not in ("fns", "_train", "_eval", "base_warm_start")
-        }
+        state = {k: v for k, v in self.__dict__.items() if k not in ("fns", "_train", "_eval")}
         state["specs"] = [(f.spec, f.weight) for f in self.fns]
         return state
 
@@ -214,7 +230,20 @@ class DatasetTask(Task):
         self.__dict__.update(state)
         self.fns = [RewardFunction.load(spec, weight) for spec, weight in specs]
         self._train = self._eval = []
-        self.base_warm_start = None
+
+
+def warm_start(task: DatasetTask):
+    """The built-in model's warm start: the data's reference completions (task.answer_field),
+    else the quickstart's arithmetic one (whose cache it then shares)."""
+    from emapg.tasks.arithmetic import ArithmeticTask
+
+    if not task.answer_field:
+        base = ArithmeticTask()
+        return WarmStartRecipe(base, base.train_examples())
+    examples = task.train_examples()
+    return WarmStartRecipe(
+        task, examples, extra_chars=_chars(e.prompt + e.answer for e in examples + task.eval_examples())
+    )
 
 
 def _chars(texts) -> str:
@@ -243,10 +272,6 @@ def from_config(cfg) -> DatasetTask:
     """The dataset task of a Config: data loaded, functions imported, signatures and columns
     checked, and each function's return type probed, all before the model loads."""
     t = cfg.task
-    if not t.train_files:
-        raise EmapgError(
-            "task.train_files: the dataset task needs training data (files, a directory or a dataset name)"
-        )
     fns = load_reward_functions(t.reward_fns, t.reward_weights)
 
     def rows(sources: list[str], split: str, field: str) -> list[dict]:
@@ -264,22 +289,13 @@ def from_config(cfg) -> DatasetTask:
             )
         train, eval_rows = train[: -t.num_eval], train[-t.num_eval :]
         names = (names[0], f"{names[0]} (last {t.num_eval} records)")
-    base = None
-    if not t.answer_field:
-        from emapg.config import TaskConfig
-        from emapg.tasks.arithmetic import ArithmeticTask
-
-        d = TaskConfig()  # the quickstart's task: its cached warm start is reused
-        base = ArithmeticTask(
-            seed=d.seed,
-            num_train=d.num_train,
-            num_eval=d.num_eval,
-            min_digits=d.min_digits,
-            max_digits=d.max_digits,
-        )
     task = DatasetTask(
-        train[: t.num_train], eval_rows, fns, prompt_field=t.prompt_field, answer_field=t.answer_field,
-        sources=names, base_warm_start=base,
-    )  # fmt: skip
+        train[: t.num_train],
+        eval_rows,
+        fns,
+        prompt_field=t.prompt_field,
+        answer_field=t.answer_field,
+        sources=names,
+    )
     check_returns(task, t.reward_timeout_s, t.reward_isolation)
     return task

@@ -8,20 +8,67 @@ arithmetic and algebra word problems (emapg/data, made by emapg.data.math_sample
 from __future__ import annotations
 
 import string
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated, Literal
 
-from emapg.errors import EmapgError
-from emapg.tasks.base import Example, Task
-from emapg.tasks.math_data import Problem, load_problems
-from emapg.tasks.math_grader import BOXED, has_boxed_answer, score
+from pydantic import AfterValidator, model_validator
 
-__all__ = ["PROMPT", "MathTask", "from_config", "score"]
+from emapg.settings import Float, check, existing_paths, setting, validated
+from emapg.tasks.base import Example, ProblemSettings, Task, WarmStartRecipe
+from emapg.tasks.math_data import BOXED, SCHEMA_NAMES, Problem, load_problems
+
+__all__ = ["PROMPT", "MathSettings", "MathTask", "from_config"]
 
 # Qwen2.5-Math's instruction, the one the paper's models were trained and evaluated with.
 PROMPT = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 SAMPLE_TRAIN, SAMPLE_EVAL = DATA_DIR / "math_train.jsonl", DATA_DIR / "math_eval.jsonl"
+# The built-in character tokenizer needs these for the instruction and for "\boxed{...}".
+TINY_EXTRA_CHARS = "\\{}%" + string.ascii_uppercase
+
+
+def _has_question(template: str) -> str:
+    check(
+        not template or "{question}" in template,
+        f"the prompt template must contain {{question}}; got {template!r:.80}",
+    )
+    return template
+
+
+PromptTemplate = Annotated[str, AfterValidator(_has_question)]  # empty: PROMPT
+
+
+# `task.schema` is the setting's name; pydantic warns that it hides BaseModel.schema, a
+# deprecated classmethod of pydantic v1 that nothing here calls.
+warnings.filterwarnings("ignore", 'Field name "schema" in "MathSettings"', UserWarning)
+
+
+class MathSettings(ProblemSettings):
+    """`task.name=math`: problems with references in `\\boxed{}`, graded by math-verify."""
+
+    train_files: list[str] = setting(
+        [], "training data (.jsonl/.json/.parquet, schema told by its fields); empty: the shipped samples"
+    )
+    eval_files: list[str] = setting([], "held-out data (same formats); empty: the shipped samples")
+    schema: Literal[SCHEMA_NAMES] = setting(
+        "auto",
+        "schema of the data files; auto tells it by the fields, and question+answer by the answer "
+        "(a '#### n' line: gsm8k, else qwen_math)",
+    )
+    format_reward: Float = setting(
+        0.0, "reward of a wrong answer given in a closed \\boxed{} (0: none)", ge=0, lt=1
+    )
+    prompt: PromptTemplate = setting(
+        "", "prompt template with {question}; empty: Qwen2.5-Math's step-by-step \\boxed{} one"
+    )
+
+    @model_validator(mode="after")
+    def _files_exist(self):
+        existing_paths(self.train_files, "task.train_files")
+        existing_paths(self.eval_files, "task.eval_files")
+        return self
 
 
 def example(problem: Problem, prompt: str = PROMPT) -> Example:
@@ -38,8 +85,6 @@ class MathTask(Task):
     """
 
     name = "math"
-    # The built-in character tokenizer needs these for the instruction and for "\boxed{...}".
-    tiny_extra_chars = "\\{}%" + string.ascii_uppercase
 
     def __init__(
         self,
@@ -49,8 +94,7 @@ class MathTask(Task):
         format_reward: float = 0.0,
         prompt: str = PROMPT,
     ):
-        if "{question}" not in prompt:
-            raise EmapgError(f"math task: the prompt template must contain {{question}}, got {prompt!r:.80}")
+        validated(MathSettings, {"name": "math", "format_reward": format_reward, "prompt": prompt}, "task")
         self.format_reward = format_reward
         self._train = [example(p, prompt) for p in train]
         self._eval = [example(p, prompt) for p in eval]
@@ -62,16 +106,20 @@ class MathTask(Task):
         return list(self._eval)
 
     def score(self, response: str, example: Example) -> float:
+        from emapg.tasks.math_grader import has_boxed_answer, score  # late: SymPy, math-verify
+
         if score(response, example.answer) == 1.0:
             return 1.0
         return self.format_reward if self.format_reward and has_boxed_answer(response) else 0.0
 
-    def sft_examples(self) -> list[Example]:
-        """Warm-start targets: the boxed answer, or the whole solution when the data has one."""
-        return [
-            Example(e.prompt, e.answer if BOXED in e.answer else f"{BOXED}{{{e.answer}}}", e.meta)
-            for e in self._train
-        ]
+
+def warm_start(task: MathTask):
+    """The built-in model's warm start: the boxed answer, or the whole solution when the data has one."""
+    examples = [
+        Example(e.prompt, e.answer if BOXED in e.answer else f"{BOXED}{{{e.answer}}}", e.meta)
+        for e in task.train_examples()
+    ]
+    return WarmStartRecipe(task, examples, extra_chars=TINY_EXTRA_CHARS)
 
 
 def from_config(cfg) -> MathTask:

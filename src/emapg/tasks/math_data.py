@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emapg.errors import EmapgError
-from emapg.tasks.math_grader import BOXED
 from emapg.tasks.records import read_records
+
+BOXED = "\\boxed"  # the command a final answer is written in
 
 
 @dataclass(frozen=True)

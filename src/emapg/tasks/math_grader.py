@@ -36,7 +36,8 @@ import threading
 import sympy
 from math_verify import LatexExtractionConfig, parse, verify
 
-BOXED = "\\boxed"
+from emapg.tasks.math_data import BOXED
+
 THINK_END = "</think>"  # R1-style reasoning ends here; only what follows is graded
 MAX_ANSWER_CHARS = 1000  # from "\boxed" on; real answers are far shorter
 MAX_BRACE_DEPTH = 20

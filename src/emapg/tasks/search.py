@@ -12,12 +12,15 @@ import string
 from collections import defaultdict
 from pathlib import Path
 
+from pydantic import model_validator
+
 from emapg.errors import EmapgError
 from emapg.search import world as synthetic
 from emapg.search.answers import ANSWER, INFORMATION, INVALID_ACTION, exact_match, f1, last_tag
 from emapg.search.environment import SearchEnvironment, information_block
 from emapg.search.retriever import Retriever
-from emapg.tasks.base import Example, Task
+from emapg.settings import Float, check, exists, setting, validated
+from emapg.tasks.base import Example, ProblemSettings, Task, WarmStartRecipe
 
 # Search-R1's instruction, in our words, for parquet data without a `prompt` column.
 INSTRUCTION = (
@@ -85,19 +88,64 @@ def load_parquet(path: str) -> list[dict]:
             raise EmapgError(f"search data {path!r}: row {n} has no golden_answers")
         messages = row.get("prompt")
         if messages is not None and not (
-            len(messages) == 1 and isinstance(messages[0], dict) and messages[0].get("role") == "user"
+            len(messages) == 1
+            and isinstance(messages[0], dict)
+            and messages[0].get("role") == "user"
             and isinstance(messages[0].get("content"), str)
-        ):  # fmt: skip
+        ):
             raise EmapgError(f"search data {path!r}: row {n}'s prompt is not one user message with content")
     return rows
+
+
+# The tags, "Doc 1(Title: ...)" and the invalid-action message need them in the built-in
+# character tokenizer.
+TINY_EXTRA_CHARS = "<>" + string.ascii_uppercase
+
+
+class SearchSettings(ProblemSettings):
+    """`task.name=search`: multi-turn question answering with a retriever (Search-R1's episodes)."""
+
+    seed: int = setting(1234, "seed of the built-in world (independent of train.seed)")
+    corpus: str = setting("", "jsonl corpus (id, contents = title line + text); empty: the built-in world's")
+    url: str = setting("", "a Search-R1 retrieval server (http://host:port/retrieve) instead of BM25")
+    max_queries_per_request: int = setting(
+        512,
+        "most queries per POST to task.url; bigger batches are split into several requests "
+        "(emapg serve-retriever accepts 4096 by default: --max-queries)",
+        ge=1,
+    )
+    topk: int = setting(3, "passages returned per query", ge=1)
+    max_turns: int = setting(
+        4, "rounds with the environment (search or invalid-action message), then one final turn", ge=1
+    )
+    max_observation_tokens: int = setting(
+        500, "inserted text (passages, messages) cut to this many tokens", ge=1
+    )
+    max_context: int = setting(
+        4096, "prompt + episode tokens cap; a turn gets at most the room left, a full episode ends", ge=1
+    )
+    format_reward: Float = setting(0.0, "reward of a well-formed but wrong <answer>", ge=0, lt=1)
+    train_file: str = setting("", "Search-R1 parquet training data; empty: the built-in world")
+    eval_file: str = setting("", "Search-R1 parquet evaluation data (needed with train_file)")
+    world_people: int = setting(100, "built-in world: people (two questions each)", ge=2)
+    world_cities: int = setting(10, "built-in world: cities", ge=1)
+
+    @model_validator(mode="after")
+    def _data(self):
+        check(bool(self.train_file) == bool(self.eval_file), "task.train_file and task.eval_file go together")
+        check(
+            not self.train_file or bool(self.corpus or self.url),
+            "task.train_file needs task.corpus or task.url",
+        )
+        for key in ("train_file", "eval_file", "corpus"):
+            path = getattr(self, key)
+            check(not path or exists(path, file=True), f"task.{key}: {path!r} does not exist")
+        return self
 
 
 class SearchTask(Task):
     name = "search"
     score_is_safe = True  # string matching: no worker process needed
-    # The tags, "Doc 1(Title: ...)" and the invalid-action message need them in the built-in
-    # character tokenizer.
-    tiny_extra_chars = "<>" + string.ascii_uppercase
 
     def __init__(
         self,
@@ -113,8 +161,11 @@ class SearchTask(Task):
         max_observation_tokens: int | None = None,
         max_context: int | None = None,
     ):
-        if topk < 1 or max_turns < 1 or not 0 <= format_reward < 1:
-            raise EmapgError("search task: expected topk >= 1, max_turns >= 1 and 0 <= format_reward < 1")
+        validated(
+            SearchSettings,
+            {"name": "search", "topk": topk, "max_turns": max_turns, "format_reward": format_reward},
+            "task",
+        )
         self.retriever, self.topk, self.max_turns = retriever, topk, max_turns
         self.format_reward, self.world = format_reward, world
         self.max_observation_tokens, self.max_context = max_observation_tokens, max_context
@@ -148,11 +199,14 @@ class SearchTask(Task):
 
     def environment(self) -> SearchEnvironment:
         return SearchEnvironment(
-            self.retriever, docs_per_search=self.topk, max_turns=self.max_turns,
-            max_observation_tokens=self.max_observation_tokens, max_context=self.max_context,
-        )  # fmt: skip
+            self.retriever,
+            docs_per_search=self.topk,
+            max_turns=self.max_turns,
+            max_observation_tokens=self.max_observation_tokens,
+            max_context=self.max_context,
+        )
 
-    def sft_examples(self) -> list[Example]:
+    def demonstrations(self) -> list[Example]:
         """Demonstration episodes for the warm start (built-in world only); inserted information is
         marked as not written by the model, so SFT does not learn it."""
         if self.world is None:
@@ -172,26 +226,36 @@ def from_config(cfg) -> SearchTask:
     """The search task of a Config: parquet data with the given corpus/server, or the built-in world."""
     from emapg.search.retriever import make_retriever
 
-    r, t = cfg.retriever, cfg.task
-    if r.train_file:
-        train, eval = load_parquet(r.train_file), load_parquet(r.eval_file)
+    t = cfg.task
+    episodes = {
+        "topk": t.topk,
+        "max_turns": t.max_turns,
+        "format_reward": t.format_reward,
+        "max_observation_tokens": t.max_observation_tokens,
+        "max_context": t.max_context,
+    }
+    if t.train_file:
+        train, eval = load_parquet(t.train_file), load_parquet(t.eval_file)
+        retriever = make_retriever(t.corpus, t.url, t.max_queries_per_request)
         return SearchTask(
-            make_retriever(r.corpus, r.url, r.max_queries_per_request), train[: t.num_train], eval[: t.num_eval], topk=r.topk,
-            max_turns=r.max_turns, format_reward=r.format_reward, instruction=INSTRUCTION,
-            max_observation_tokens=r.max_observation_tokens, max_context=r.max_context,
-        )  # fmt: skip
-    world = synthetic.build_world(t.seed, r.world_people, r.world_cities)
+            retriever, train[: t.num_train], eval[: t.num_eval], instruction=INSTRUCTION, **episodes
+        )
+    world = synthetic.build_world(t.seed, t.world_people, t.world_cities)
     rows = synthetic.questions(world)
     random.Random(f"search-split-{t.seed}").shuffle(rows)
     if t.num_eval >= len(rows):
         raise EmapgError(f"task.num_eval={t.num_eval}: the built-in world has only {len(rows)} questions")
     where = (
         Path(cfg.warmstart.cache_dir).expanduser()
-        / f"search-world-{t.seed}-{r.world_people}-{r.world_cities}"
+        / f"search-world-{t.seed}-{t.world_people}-{t.world_cities}"
     )
     corpus = synthetic.write_corpus(world, where / "corpus.jsonl")
+    retriever = make_retriever(str(corpus), t.url, t.max_queries_per_request)
     return SearchTask(
-        make_retriever(str(corpus), r.url, r.max_queries_per_request), rows[t.num_eval :][: t.num_train], rows[: t.num_eval],
-        topk=r.topk, max_turns=r.max_turns, format_reward=r.format_reward, world=world,
-        max_observation_tokens=r.max_observation_tokens, max_context=r.max_context,
-    )  # fmt: skip
+        retriever, rows[t.num_eval :][: t.num_train], rows[: t.num_eval], world=world, **episodes
+    )
+
+
+def warm_start(task: SearchTask):
+    """The built-in model's warm start: demonstration episodes of the built-in world."""
+    return WarmStartRecipe(task, task.demonstrations(), extra_chars=TINY_EXTRA_CHARS)

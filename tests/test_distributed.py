@@ -107,6 +107,24 @@ def test_two_processes_equal_one_process(model_dir, two, tmp_path):
     _close(anchor, _sharded(two, STEPS, tmp_path)["anchor"], "anchor")
 
 
+def test_dynamic_sampling_and_batch_statistics_in_two_processes_equal_one_process(model_dir, tmp_path):
+    """Dynamic sampling chooses on the whole round's rewards and hands every rank its slice of the
+    kept groups, and reinforce_pp whitens over the whole batch: 2 processes run what 1 does."""
+    extra = [
+        "train.steps=2",
+        "algo.dynamic_sampling=true",
+        "algo.max_sampling_rounds=3",
+        "algo.advantage=reinforce_pp",
+    ]
+    _torchrun(2, *_args(model_dir, tmp_path / "two", *extra))
+    assert cli.main(["train", *_args(model_dir, tmp_path / "one", *extra)]) == 0
+    one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
+    assert any(r.get("sampling/filtered_frac", 0) > 0 for r in one)  # groups without signal were dropped
+    for a, b in zip(one, two, strict=True):
+        assert a.keys() == b.keys()
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
 def test_sharded_ema_anchor_equals_the_formula_on_gathered_weights(model_dir, two, tmp_path):
     """anchor <- eta * anchor + (1 - eta) * policy after optimiser steps 2 and 4, from the initial
     policy; every other step leaves it as it was. Policies are the gathered HF exports."""

@@ -27,15 +27,15 @@ def test_counts_skips_and_stops_at_the_limit():
 
 
 def test_nan_steps_leave_weights_untouched_and_stop_the_run(tmp_path, tiny_model_dir, monkeypatch):
-    real = trainer.group_advantages
+    real = trainer.step_advantages
     calls = []
 
-    def nan_from_step_3(rewards, *args):
+    def nan_from_step_3(*args):
         calls.append(1)
-        adv = real(rewards, *args)
+        adv = real(*args)
         return adv * math.nan if len(calls) >= 3 else adv
 
-    monkeypatch.setattr(trainer, "group_advantages", nan_from_step_3)
+    monkeypatch.setattr(trainer, "step_advantages", nan_from_step_3)
     cfg = config(
         tmp_path, tiny_model_dir, "train.steps=6", "train.save_every=2", "train.eval_every=100",
         "train.max_bad_steps=3", "train.keep_checkpoints=5",

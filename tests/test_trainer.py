@@ -91,6 +91,7 @@ def test_trainer_kl_path_equals_token_kl(tmp_path, tiny_model_dir, estimator, di
     ratio = torch.exp(logp - batch.sampling_logp)
     adv = advantages.unsqueeze(1)
     want_pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    want_pg = torch.where(adv < 0, torch.minimum(want_pg, -3.0 * adv), want_pg)  # the dual clip at 3
     assert torch.allclose(pg[mask], want_pg[mask], atol=1e-5)
 
 
@@ -143,3 +144,33 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir):
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
     assert s_a["trainer"]["optimizer_steps"] == s_b["trainer"]["optimizer_steps"] == 16
     assert s_b["anchor"]["updates"] == 16
+
+
+@pytest.mark.parametrize("loss,level", [("cispo", "token"), ("ppo_clip", "sequence"), ("cispo", "sequence")])
+def test_policy_loss_choices_reach_the_update(tmp_path, tiny_model_dir, loss, level):
+    """algo.loss and algo.ratio_level as the update computes them, against the formulas written out
+    here from the policy's own log-probs (the policy perturbed away from the sampling one)."""
+    cfg = config(tmp_path, tiny_model_dir, f"algo.loss={loss}", f"algo.ratio_level={level}", "algo.clip_low=0.05",
+                 "algo.clip_high=0.05", "kl.beta=0", "anchor.kind=none")  # fmt: skip
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    batch = sample(model, tokenizer, ["12+34=", "5+6=", "70+8="] * 2, max_new_tokens=5)
+    _perturb(model, 1)
+    advantages = torch.linspace(-1, 1, 6)
+    pg, _, clipped, _ = update.token_losses(cfg, model, batch, advantages, engine_old(batch), None)
+    with torch.no_grad():
+        logits = model(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits
+    logp = torch.log_softmax(logits[:, batch.prompt_len - 1 : -1], -1).gather(
+        -1, batch.responses.unsqueeze(-1)
+    )[..., 0]
+    mask, adv = batch.response_mask, advantages.unsqueeze(1)
+    delta = logp - batch.sampling_logp
+    if level == "sequence":  # GSPO: the mean log-ratio of the response, for each of its tokens
+        delta = ((delta * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(delta)
+    ratio = delta.exp()
+    if loss == "cispo":
+        want = -ratio.clamp(0.95, 1.05) * adv * logp
+    else:
+        want = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.95, 1.05))
+    assert torch.allclose(pg.detach()[mask], want[mask], atol=1e-5)
+    assert clipped[mask].any() and not clipped[mask].all()  # the clip range matters here

@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 import yaml
 from pydantic import Field, SerializeAsAny, ValidationError, model_validator
 
+from emapg.advantages import NEEDS_GROUPS
 from emapg.anchor import AnchorSettings
 from emapg.errors import EmapgError
 from emapg.evaluation import EvalSettings
@@ -79,9 +80,16 @@ class Config(Section):
     @model_validator(mode="after")
     def _across_sections(self):
         r, a = self.rollout, self.algo
+        needs = [f"algo.advantage={a.advantage}"] * (a.advantage in NEEDS_GROUPS) + [
+            "algo.dynamic_sampling"
+        ] * a.dynamic_sampling
         check(
-            a.advantage == "drgrpo" or r.group_size >= 2,
-            f"rollout.group_size=1 has no group std for algo.advantage={a.advantage!r}; use drgrpo",
+            r.group_size >= 2 or not needs,
+            f"rollout.group_size=1 has no groups for {' and '.join(needs)} (drgrpo and reinforce_pp need none)",
+        )
+        check(
+            a.overlong_buffer <= r.max_new_tokens,
+            f"algo.overlong_buffer={a.overlong_buffer} exceeds rollout.max_new_tokens={r.max_new_tokens}",
         )
         batch = r.prompts_per_step * r.group_size
         check(

@@ -93,6 +93,15 @@ def union(names) -> list[str]:
     return sorted(set().union(*every))
 
 
+def all_gather(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    every = [None] * world()
+    dist.all_gather_object(every, obj)
+    return every
+
+
 def broadcast(obj):
     """Rank 0's `obj` on every rank."""
     if not dist.is_initialized():

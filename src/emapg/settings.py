@@ -100,7 +100,7 @@ def one_line(error: ValidationError, prefix: str, names: dict[str, str] | None =
         return EmapgError(f"unknown config key {where!r}")
     if e["type"] == "value_error":  # a rule (`check`): a section's names its fields itself
         message = str(e["ctx"]["error"])
-        return EmapgError(f"{where}: {message}" if e["loc"] else message)
+        return EmapgError(f"{where}: {message}" if e["loc"] and not message.startswith(where) else message)
     if e["type"] == "literal_error":
         choices = e["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
         value = str(e["input"])

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch import nn
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, distributed, kl, lora
-from emapg.advantages import group_advantages
+from emapg import checkpoint, distributed, dynamic_sampling, kl, lora
+from emapg.advantages import advantages, overlong_shaping
 from emapg.anchor import Anchor
 from emapg.config import Config
+from emapg.dynamic_sampling import Round, uniform_groups
 from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
 from emapg.lora import AdapterAnchor
@@ -432,39 +433,82 @@ def sample_batch(run: Run, params: SamplingParams) -> tuple[list[Example], Rollo
     return examples, batch
 
 
+def sampled_groups(run: Run, params: SamplingParams, timer: PhaseTimer) -> tuple[Round, dict]:
+    """This step's groups (this rank's rows, on the policy's device) with their task rewards, and
+    the sampling metrics: one round, or dynamic sampling's rounds (dynamic_sampling.py)."""
+    cfg, counts = run.cfg, {"errors": 0, "timeouts": 0}
+
+    def one_round() -> Round:
+        with timer("rollout"):
+            examples, batch = sample_batch(run, params)
+        with timer("scoring"):
+            scored = run.scorer(batch.texts, examples)
+        counts["errors"] += scored.errors
+        counts["timeouts"] += scored.timeouts
+        return Round(examples, batch, scored.rewards, scored.parts)
+
+    if cfg.algo.dynamic_sampling:
+        got, metrics = dynamic_sampling.collect(
+            one_round, cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algo.max_sampling_rounds,
+            run.tokenizer.pad_token_id,
+        )  # fmt: skip
+        got.batch = got.batch.to(next(run.model.parameters()).device)
+    else:
+        got, metrics = one_round(), {}
+    uniform = sum(uniform_groups(torch.tensor(got.rewards), cfg.rollout.group_size))
+    uniform, groups, errors, timeouts = distributed.sum_all(
+        uniform, len(got.rewards) / cfg.rollout.group_size, counts["errors"], counts["timeouts"]
+    )
+    return got, {
+        **metrics,
+        "sampling/uniform_frac": uniform / groups,
+        "reward/errors": int(errors),
+        "reward/timeouts": int(timeouts),
+    }
+
+
+def step_advantages(cfg, rewards: Tensor, lengths: Tensor) -> Tensor:
+    """This rank's advantages, computed on the whole batch (every rank's rows, in order), so that
+    batch statistics (batch_std, reinforce_pp) are those of one process."""
+    every = distributed.all_gather((rewards.tolist(), lengths.tolist()))
+    whole_rewards = torch.tensor([r for rank_rewards, _ in every for r in rank_rewards])
+    whole_lengths = torch.tensor([n for _, rank_lengths in every for n in rank_lengths])
+    whole = advantages(cfg.algo.advantage, whole_rewards, cfg.rollout.group_size, whole_lengths)
+    return whole[distributed.shard_rows(len(whole))]
+
+
 def training_step(run: Run, step: int, params: SamplingParams) -> dict:
     """One step: rollout, rewards and advantages, pi_old and the anchor pass, the update, the
     EMA; returns the step's metrics."""
     cfg, model, timer = run.cfg, run.model, PhaseTimer()
-    with timer("rollout"):
-        examples, batch = sample_batch(run, params)
+    got, sampling_metrics = sampled_groups(run, params, timer)
+    batch, examples = got.batch, got.examples
+    lengths = batch.response_mask.sum(-1).cpu()
     with timer("scoring"):
-        scored = run.scorer(batch.texts, examples)
-        rewards = torch.tensor(scored.rewards)
-        advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage)
+        task_rewards = torch.tensor(got.rewards)
+        shaping = cfg.algo.overlong_penalty * overlong_shaping(
+            lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer
+        )
+        advantage = step_advantages(cfg, task_rewards + shaping, lengths)
     old, correction_metrics = old_policy(cfg, model, batch, params.topk, timer)  # timed when recomputed
     with timer("anchor"):
         ref = anchor_pass(cfg, run.anchor, batch, old, run.vocab) if run.anchor is not None else None
     with timer("update"):
-        stats = update(run, batch, advantages.to(batch.sequences.device), old, ref, timer)
+        stats = update(run, batch, advantage.to(batch.sequences.device), old, ref, timer)
     if run.anchor is not None and cfg.anchor.period_unit == "training_steps":
         with timer("ema"):
             run.anchor.step(model, step)
     mask = batch.response_mask
-    reward_sum, errors, timeouts, entropy_sum, tokens, n = distributed.sum_all(
-        float(rewards.sum()),
-        scored.errors,
-        scored.timeouts,
-        float((batch.entropy * mask).sum()),
-        float(mask.sum()),
+    reward_sum, shaping_sum, entropy_sum, tokens, n = distributed.sum_all(
+        float(task_rewards.sum()), float(shaping.sum()), float((batch.entropy * mask).sum()), float(mask.sum()),
         len(examples),
-    )
+    )  # fmt: skip
     return {
         "step": step,
         "reward/mean": reward_sum / n,
-        "reward/errors": int(errors),
-        "reward/timeouts": int(timeouts),
-        **reward_part_metrics(run.task, scored),
+        **({"reward/overlong/mean": shaping_sum / n} if cfg.algo.overlong_buffer else {}),
+        **reward_part_metrics(run.task, Scored(got.rewards, parts=got.parts)),
+        **sampling_metrics,
         "train/skipped_steps": run.state.skipped_steps,
         **stats,
         **correction_metrics,

@@ -15,28 +15,54 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+from pydantic import field_validator
 from torch import Tensor
 
 from emapg import distributed, kl, rollout_correction
-from emapg.advantages import MODES as ADVANTAGES
+from emapg.advantages import estimator
 from emapg.anchor import Anchor
 from emapg.guards import step_is_finite
 from emapg.lm_head import response_summary
 from emapg.lora import AdapterAnchor
 from emapg.metrics import PhaseTimer
-from emapg.policy_loss import AGGREGATIONS, aggregate, aggregation_total, ppo_clip
+from emapg.policy_loss import (
+    AGGREGATIONS,
+    LOSSES,
+    RATIO_LEVELS,
+    aggregate,
+    aggregation_total,
+    cispo,
+    log_ratio,
+    ppo_clip,
+)
 from emapg.rollout import Rollout
 from emapg.rollout_correction import MODES as CORRECTIONS
-from emapg.settings import Float, Section, setting
+from emapg.settings import Float, Section, check, setting
 
 
 class AlgoSettings(Section):
-    """The `algo` section: advantages, PPO clipping, epochs, batching and the off-policy corrections."""
+    """The `algo` section: advantages, the policy loss, epochs, batching, dynamic sampling and the
+    off-policy corrections (docs/training.md has each method and its source)."""
 
     key: ClassVar[str] = "algo"
-    advantage: Literal[ADVANTAGES] = setting("grpo", "grpo (std-normalised), drgrpo (no std) or batch_std")
-    clip_low: Float = setting(0.2, "PPO ratio clip below: 1 - clip_low", ge=0, lt=1)
-    clip_high: Float = setting(0.2, "PPO ratio clip above: 1 + clip_high", ge=0)
+    advantage: str = setting(
+        "grpo",
+        "grpo (std-normalised), drgrpo (no std), batch_std, rloo (leave-one-out), reinforce_pp (REINFORCE++: "
+        "batch whitening), or module:function / path/to/file.py:function (emapg/advantages.py)",
+    )
+    loss: Literal[LOSSES] = setting(
+        "ppo_clip", "ppo_clip (PPO's clipped surrogate) or cispo (clipped weight, no gradient, times log pi)"
+    )
+    ratio_level: Literal[RATIO_LEVELS] = setting(
+        "token",
+        "token: pi/pi_old per token; sequence: GSPO's length-normalised ratio of the whole response "
+        "(use GSPO's clip ranges, e.g. clip_low=3e-4 clip_high=4e-4)",
+    )
+    clip_low: Float = setting(0.2, "ratio clip below: 1 - clip_low (1: no lower clip)", ge=0, le=1)
+    clip_high: Float = setting(0.2, "ratio clip above: 1 + clip_high", ge=0)
+    dual_clip: Float = setting(
+        3.0, "ppo_clip with A < 0: the loss bounded by dual_clip * |A| (verl's clip_ratio_c); 0: off"
+    )
     epochs: int = setting(1, "passes over each rollout batch", ge=1)
     minibatches: int = setting(1, "optimiser steps per epoch (the batch is split this many ways)", ge=1)
     micro_batch_size: int = setting(64, "sequences per forward/backward (gradient accumulation)", ge=1)
@@ -64,6 +90,35 @@ class AlgoSettings(Section):
     rollout_correction_cap: Float = setting(
         2.0, "C of algo.rollout_correction: weights truncated at C, masks keep ratios in [1/C, C]", gt=1
     )
+    dynamic_sampling: bool = setting(
+        False,
+        "DAPO: drop groups whose rewards are all equal and sample further prompts until the step has "
+        "rollout.prompts_per_step groups with signal",
+    )
+    max_sampling_rounds: int = setting(
+        10,
+        "dynamic sampling: most rounds of rollout.prompts_per_step prompts a step samples; at the bound the "
+        "last round's groups without signal fill the step",
+        ge=1,
+    )
+    overlong_buffer: int = setting(
+        0,
+        "DAPO's overlong shaping: a linear penalty over the last this many tokens of the length limit; 0: off",
+        ge=0,
+    )
+    overlong_penalty: Float = setting(1.0, "the overlong shaping's penalty at the length limit", ge=0)
+
+    @field_validator("advantage")
+    @classmethod
+    def _estimator(cls, name: str) -> str:
+        estimator(name)  # a built-in one, or the user's function by import path: loaded now
+        return name
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _above_one(cls, c: float) -> float:
+        check(c == 0 or c > 1, f"must be 0 (off) or > 1; got {c}")
+        return c
 
 
 @dataclass
@@ -229,18 +284,23 @@ def anchor_pass(
 
 
 def token_losses(cfg, model, part: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None):
-    """Per-token PPO-clip loss (times the rollout correction's weight), KL estimate (None
-    without anchor), clip flags and log PPO ratio (no gradient) of a micro-batch. The PPO ratio divides by pi_old; the KL's
-    importance weight by mu, the distribution the token was drawn from (docs/design.md, section 7)."""
+    """Per-token policy loss (`algo.loss`, times the rollout correction's weight), KL estimate
+    (None without anchor), clip flags and log-ratio to pi_old (`algo.ratio_level`, no gradient) of
+    a micro-batch. The ratio divides by pi_old; the KL's importance weight by mu, the
+    distribution the token was drawn from (docs/design.md, section 7)."""
     tokens = part.responses.unsqueeze(-1)
     ids = tokens if ref is None else torch.cat([tokens, ref.head_ids], -1)
     summary = response_summary(model, part, ids, temperature=cfg.rollout.temperature)
     logp = summary.logp()[..., 0]
-    pg, clipped = ppo_clip(logp, old.logp, advantages, cfg.algo.clip_low, cfg.algo.clip_high)
-    pg = pg * old.weight
-    log_ratio = (logp - old.logp).detach()
+    a = cfg.algo
+    ratio = log_ratio(logp, old.logp, part.response_mask, a.ratio_level)
+    if a.loss == "cispo":
+        pg, clipped = cispo(ratio, logp, advantages, a.clip_low, a.clip_high)
+    else:
+        pg, clipped = ppo_clip(ratio, advantages, a.clip_low, a.clip_high, a.dual_clip)
+    pg, ratio = pg * old.weight, ratio.detach()
     if ref is None:
-        return pg, None, clipped, log_ratio
+        return pg, None, clipped, ratio
     kl_tok = kl.from_summary(
         summary,
         (ref.head_ids == tokens).any(-1),
@@ -251,7 +311,7 @@ def token_losses(cfg, model, part: Rollout, advantages: Tensor, old: OldPolicy, 
         sampling_logp=part.sampling_logp if cfg.kl.importance_weight else None,
         iw_clip=tuple(cfg.kl.iw_clip) if cfg.kl.iw_clip else None,
     )
-    return pg, kl_tok, clipped, log_ratio
+    return pg, kl_tok, clipped, ratio
 
 
 class _Stats:

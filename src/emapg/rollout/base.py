@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, ClassVar, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from pydantic import StringConstraints
 from torch import Tensor, nn
 
@@ -68,6 +69,41 @@ class Rollout:
             texts=[self.texts[i] for i in rows.tolist()],
             truncated=self.truncated[rows],
         )
+
+    @staticmethod
+    def cat(parts: Sequence[Rollout], pad_id: int) -> Rollout:
+        """The rows of `parts` in order, as one batch: prompts left-padded to the longest, responses
+        right-padded to the longest (positions come from the attention mask, so no row changes)."""
+        width_p, width_r = max(p.prompt_len for p in parts), max(p.response_mask.shape[1] for p in parts)
+
+        def grown(p: Rollout) -> Rollout:
+            left, right = width_p - p.prompt_len, width_r - p.response_mask.shape[1]
+            return Rollout(
+                sequences=F.pad(p.sequences, (left, right), value=pad_id),
+                attention_mask=F.pad(p.attention_mask, (left, right), value=0),
+                prompt_len=width_p,
+                response_mask=F.pad(p.response_mask, (0, right), value=False),
+                sampling_logp=F.pad(p.sampling_logp, (0, right)),
+                topk_ids=F.pad(p.topk_ids, (0, 0, 0, right)),
+                entropy=F.pad(p.entropy, (0, right)),
+                texts=p.texts,
+                truncated=p.truncated,
+            )
+
+        grown_parts = [grown(p) for p in parts]
+        tensors = {
+            k: torch.cat([getattr(p, k) for p in grown_parts])
+            for k in (
+                "sequences",
+                "attention_mask",
+                "response_mask",
+                "sampling_logp",
+                "topk_ids",
+                "entropy",
+                "truncated",
+            )
+        }
+        return Rollout(**tensors, prompt_len=width_p, texts=[t for p in grown_parts for t in p.texts])
 
     def trimmed(self) -> Rollout:
         """The same rows without columns that are padding in every row (left of the earliest

@@ -5,7 +5,7 @@
 Needs vLLM (scripts/install-vllm-cpu.sh). For each model and each engine dtype, vLLM samples a
 batch, recording mu (its processed log-probs: those of the distribution it drew from) and its
 top-k ids; the trainer then recomputes pi_old in float32 exactly as the training loop does
-(`update.recompute_old_logp`). Printed, over the response tokens:
+(`update.response_logp`). Printed, over the response tokens:
 
 - mismatch KL: the mean k3 estimate of KL(mu || pi_old) per token (the run's `mismatch/kl`),
   max |log pi_old - log mu| and the top-k overlap (the share of the engine's top-k set in
@@ -41,7 +41,7 @@ CAPS = (2.0, 3.0)
 def mismatch_figures(cfg, model, batch, k: int) -> dict[str, float]:
     """The trainer's pi_old for `batch` (sampled by an engine, on the model's device) against the
     engine's mu: the figures the module docstring lists."""
-    old_logp, old_topk = update.recompute_old_logp(cfg, model, batch, k)
+    old_logp, old_topk = update.response_logp(cfg, model, batch, cfg.rollout.temperature, k)
     mask = batch.response_mask
     m = rollout_correction.mismatch_metrics(old_logp, batch.sampling_logp, mask, old_topk, batch.topk_ids)
     out = {

@@ -36,16 +36,16 @@ VARIANTS = {
 }
 SHARED = ["kl.beta=0.001", "kl.k=32", "kl.direction=reverse", "kl.importance_weight=true",
           "anchor.eta=0.9", "anchor.update_period=10"]  # fmt: skip
-# benchmarks/RESULTS.md holds other measurements too: the study rewrites only its own block.
-BEGIN = "<!-- study.py writes from here: do not edit by hand -->"
-END = "<!-- study.py writes up to here -->"
+# benchmarks/RESULTS.md holds other measurements too: each script rewrites only its own block.
+OWNER = "study.py"
 # Per task: base config, and the held-out accuracy whose first crossing is reported.
 TASKS = {"arithmetic": ("quickstart", 0.4), "search": ("search_tiny", 0.5)}  # search: warm start ~0.44
 
 
 def run_one(name: str, base: str, overrides: list[str], out: Path) -> float:
     """Train run `name` (config `base` with `overrides`) under `out` unless it already finished;
-    returns its wall time in seconds (0: reused)."""
+    a run stopped part-way resumes from its last checkpoint. Returns its wall time in seconds
+    (0: reused; a resumed run's is that of its last part, marked in wall_time.json)."""
     cfg = load_config(
         base, [*overrides, f"train.name={name}", f"train.output_dir={out}", "train.progress=false"]
     )
@@ -53,20 +53,26 @@ def run_one(name: str, base: str, overrides: list[str], out: Path) -> float:
     if done and done[-1].name == f"step_{cfg.train.steps}":
         return 0.0
     t0 = time.perf_counter()
-    train(cfg)
+    train(cfg, resume=bool(done))
     seconds = time.perf_counter() - t0
-    (out / name / "wall_time.json").write_text(json.dumps({"seconds": round(seconds, 1)}))
+    (out / name / "wall_time.json").write_text(
+        json.dumps({"seconds": round(seconds, 1), "resumed": bool(done)})
+    )
     print(f"{name}: {seconds:.0f} s", flush=True)
     return seconds
 
 
-def write_block(path: Path, block: str) -> str:
-    """Replace the study's block of `path` (between BEGIN and END), or append it; returns the text."""
-    marked = f"{BEGIN}\n{block.rstrip()}\n{END}"
+def write_block(path: Path, block: str, owner: str = OWNER) -> str:
+    """Replace `owner`'s block of `path` (between its two markers), or append it; returns the text."""
+    begin, end = (
+        f"<!-- {owner} writes from here: do not edit by hand -->",
+        f"<!-- {owner} writes up to here -->",
+    )
+    marked = f"{begin}\n{block.rstrip()}\n{end}"
     old = path.read_text() if path.is_file() else "# Results\n"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        text = head + marked + rest.split(END, 1)[1]
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        text = head + marked + rest.split(end, 1)[1]
     else:
         text = old.rstrip("\n") + "\n\n" + marked + "\n"
     path.write_text(text)

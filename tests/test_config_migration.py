@@ -23,7 +23,7 @@ BEFORE = json.loads((Path(__file__).parent / "data" / "shipped_configs_before.js
 # "+" was fixed; the policy-gradient menu's choices), and the dual clip verl applies (issue 30).
 NEW = {"task.ops": ["+"], "algo.loss": "ppo_clip", "algo.ratio_level": "token", "algo.dual_clip": 3.0,
        "algo.dynamic_sampling": False, "algo.max_sampling_rounds": 10, "algo.overlong_buffer": 0,
-       "algo.overlong_penalty": 1.0}  # fmt: skip
+       "algo.overlong_penalty": 1.0, "eval.anchor": "auto", "eval.kl": False}  # fmt: skip
 
 
 def flat(config: dict) -> dict:

@@ -69,7 +69,7 @@ def test_top_p_weights_are_the_nucleus_mass_exactly(tiny_model_dir):
     torch.manual_seed(0)
     batch = sample(model, tokenizer, ["12+34=", "5+6=", "70+8="] * 4, max_new_tokens=5, top_p=0.7)
     cfg = load_config(None, ["rollout.top_p=0.7"])
-    old_logp, _ = update.recompute_old_logp(cfg, model, batch, 0)
+    old_logp, _ = update.response_logp(cfg, model, batch, cfg.rollout.temperature)
     weight = correct(old_logp, batch.sampling_logp, batch.response_mask, "token_tis", 1e9).weight
     with torch.no_grad():
         logits = model(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits

@@ -83,6 +83,7 @@ ODD_VALUES = st.sampled_from(
 @settings(max_examples=300, deadline=1000)
 @example("model.path", "~nobody/x", True)  # once a RuntimeError from Path.expanduser
 @example("task.train_files", "[~nobody]", True)
+@example("rollout.engine", "[~nobody]", True)  # once a TypeError: a list as a registry key
 @given(st.sampled_from(KEYS) | st.text(max_size=20), ODD_VALUES | st.text(max_size=30), st.booleans())
 def test_overrides_load_or_fail_with_emapg_error(key, value, with_equals):
     try:

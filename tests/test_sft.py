@@ -152,3 +152,26 @@ def test_warm_start_rejects_unknown_settings(tmp_path: Path) -> None:
             sft_kwargs={"stepz": 3},
             progress=False,
         )
+
+
+def _cli_warm_start(tmp_path: Path, env: dict[str, str]) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    overrides = [f"warmstart.cache_dir={tmp_path}", "warmstart.steps=2", "warmstart.target_accuracy=0",
+                 "warmstart.model_kwargs={hidden_size: 32, num_layers: 1}", "train.progress=false"]  # fmt: skip
+    environ = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"} | env
+    subprocess.run([sys.executable, "-m", "emapg", "sft", *overrides], env=environ, check=True, timeout=300)
+    (record,) = tmp_path.glob("warm-start-*/warm_start.json")
+    return json.loads(record.read_text())
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="pinning needs AVX2 (x86-64)"
+)
+def test_cli_warm_start_runs_pinned_cpu_kernels(tmp_path: Path) -> None:
+    # emapg pins ATen's kernels to AVX2 before any runs (models.pin_cpu_kernels); a capability the
+    # user sets wins, and the cache is keyed by the kernels, so the two do not share a model.
+    assert _cli_warm_start(tmp_path / "pinned", {})["cpu_kernels"] == "AVX2"
+    assert _cli_warm_start(tmp_path / "user", {"ATEN_CPU_CAPABILITY": "default"})["cpu_kernels"] == "DEFAULT"

@@ -58,17 +58,26 @@ def _train(args) -> None:
 
 def _sft(args) -> None:
     from emapg.config import load_config
+    from emapg.models import pin_cpu_kernels
     from emapg.tasks import make_task
     from emapg.trainer import load_policy
 
     import_user_modules(args.imports)
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.path == "builtin:tiny":
+        pin_cpu_kernels()  # as `emapg train` does, before any CPU kernel runs
     task = make_task(cfg)
     load_policy(cfg, task, progress=cfg.train.progress)
     print(f"warm start ready (cached under {cfg.warmstart.cache_dir})")
 
 
 def _eval(args) -> None:
+    if args.run is not None:
+        return _eval_run(args)
+    if args.model is None or not args.data:
+        raise EmapgError(
+            "emapg eval: give --run RUN_DIR (a run's checkpoint), or --model DIR with --data FILE"
+        )
     from emapg.math_eval import MathEvalSettings, evaluate, table
     from emapg.settings import validated
     from emapg.tasks.math import PROMPT
@@ -89,6 +98,22 @@ def _eval(args) -> None:
     results = evaluate(args.model, args.data, args.out, settings, dtype=args.dtype)
     print(table(results), end="")
     print(f"results: {Path(args.out) / 'results.json'}; responses: {Path(args.out) / 'responses.jsonl'}")
+
+
+def _eval_run(args) -> None:
+    if args.model is not None or args.data:
+        raise EmapgError(
+            "emapg eval --run evaluates the run's own checkpoint on its task: drop --model/--data"
+        )
+    from emapg.checkpoint_eval import evaluate_checkpoint, write_results
+
+    import_user_modules(args.imports)
+    results = evaluate_checkpoint(args.run, args.step, anchor=args.anchor)
+    name = "eval/anchor/accuracy" if args.anchor else "eval/accuracy"
+    print(
+        f"{name} {results['accuracy']:.4f} ({results['checkpoint']}: {results['problems']} problems x "
+        f"{results['samples_per_problem']} samples); results: {write_results(results, args.out)}"
+    )
 
 
 def _report(args) -> None:
@@ -163,12 +188,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_config_arguments(sft)
     sft.set_defaults(func=_sft)
     ev = sub.add_parser(
-        "eval", help="math accuracy and pass@k of a model on problem files (n samples per problem)"
+        "eval",
+        help="math accuracy and pass@k of a model on problem files (--model, --data), or a run's "
+        "checkpoint on its held-out set as the run evaluated it (--run)",
+        description="Two modes. --model DIR --data FILE...: math problem files, sampled with the options "
+        "below (--n to --prompt). --run RUN_DIR [--step N] [--anchor]: the run's checkpoint on the run's "
+        "held-out set, sampled with the run's own eval section and seed: the run's eval/accuracy (with "
+        "--anchor eval/anchor/accuracy) at that step.",
     )
-    ev.add_argument("--model", required=True, help="local model directory (safetensors, with tokenizer)")
     ev.add_argument(
-        "--data", required=True, nargs="+", metavar="FILE", help=".jsonl/.json/.parquet math problem files"
+        "--run", help="a run directory: evaluate its checkpoint with its config (eval section, seed)"
     )
+    ev.add_argument("--step", type=int, help="with --run: the checkpoint's step (default: the last)")
+    ev.add_argument(
+        "--anchor", action="store_true", help="with --run: the anchor's weights, not the policy's"
+    )
+    ev.add_argument(
+        "--import", dest="imports", action="append", default=[], metavar="MODULE",
+        help="with --run: a module to import first (the run's task, if a user's)",
+    )  # fmt: skip
+    ev.add_argument("--model", help="local model directory (safetensors, with tokenizer)")
+    ev.add_argument("--data", nargs="+", metavar="FILE", help=".jsonl/.json/.parquet math problem files")
     ev.add_argument("--n", type=int, default=16, help="samples per problem (default 16)")
     ev.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)")
     ev.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")

@@ -105,6 +105,15 @@ class Config(Section):
             "anchor.kind=none goes with kl.beta=0 and only then (a KL needs an anchor)",
         )
         check(
+            self.eval.anchor is not True or self.anchor.kind != "none",
+            "eval.anchor=true evaluates the anchor, and anchor.kind=none has none",
+        )
+        check(
+            self.eval.anchor is not True or not (self.lora.r and self.rollout.engine == "vllm"),
+            "eval.anchor=true with LoRA and rollout.engine=vllm: the engine takes merged policy weights "
+            "only; evaluate the anchor with rollout.engine=hf",
+        )
+        check(
             not self.lora.r or self.anchor_dtype == self.model.dtype,
             f"anchor.dtype={self.anchor.dtype}: with LoRA the anchor is an adapter of the policy's own "
             f"model, in model.dtype={self.model.dtype}",
@@ -120,6 +129,14 @@ class Config(Section):
     @property
     def anchor_dtype(self) -> str:
         return self.model.dtype if self.anchor.dtype == "auto" else self.anchor.dtype
+
+    @property
+    def evaluates_anchor(self) -> bool:
+        """eval.anchor resolved: auto evaluates an EMA anchor (a frozen one is the initial policy,
+        whose accuracy is eval/accuracy at step 0), except a LoRA anchor through vLLM."""
+        if self.eval.anchor != "auto":
+            return self.eval.anchor
+        return self.anchor.kind == "ema" and not (self.lora.r and self.rollout.engine == "vllm")
 
     @property
     def recomputes_old_logp(self) -> bool:

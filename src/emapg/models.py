@@ -7,6 +7,7 @@ with no download: a character-level tokenizer and a small Llama built from a con
 from __future__ import annotations
 
 import os
+import platform
 import string
 from typing import ClassVar, Literal
 
@@ -94,6 +95,26 @@ def build_tiny_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
         model_max_length=512,
         clean_up_tokenization_spaces=False,
     )
+
+
+PINNED_CPU_KERNELS = "avx2"  # ATEN_CPU_CAPABILITY of the built-in model's runs (`pin_cpu_kernels`)
+
+
+def pin_cpu_kernels() -> str:
+    """Run ATen's vectorised CPU kernels in their AVX2 versions (unless ATEN_CPU_CAPABILITY is
+    set), and return the capability in use.
+
+    Why: AVX2 and AVX-512 versions of the same float32 kernel differ in their last bits, and the
+    warm start's SFT is chaotic: a 1-ulp difference in its first step's loss became a different
+    model within 100 steps, one that met the stopping test at step 650 instead of 1150
+    (docs/training.md, "Machines"). Pinned, every x86-64 CPU with AVX2 runs the same kernels; at
+    the tiny model's size AVX2 is not slower. torch reads the variable once, at the process's first
+    CPU kernel, so this takes effect only before then: `emapg train` and `emapg sft` call it first
+    thing for builtin:tiny. On other architectures it changes nothing.
+    """
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", PINNED_CPU_KERNELS)
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def build_tiny_model(

@@ -16,7 +16,9 @@ class OptimSettings(Section):
     """The `optim` section: the AdamW optimiser and its schedule."""
 
     key: ClassVar[str] = "optim"
-    lr: Float = setting(2e-4, "AdamW learning rate", gt=0)
+    lr: Float = setting(
+        2e-4, "AdamW learning rate (0: the weights never change, a baseline that samples and evaluates)", ge=0
+    )
     weight_decay: Float = setting(0.0, "AdamW weight decay", ge=0)
     betas: list[Beta] = setting([0.9, 0.99], "AdamW betas", min_length=2, max_length=2)
     warmup_steps: int = setting(5, "linear warm-up, in optimiser steps", ge=0)

@@ -27,6 +27,7 @@ CURVES = (
     ("rollout_correction/masked_frac", "tokens masked by the correction"),
 )
 OPTIONAL = {"mismatch/kl", "rollout_correction/masked_frac"}  # drawn only where some run logs them
+ANCHOR_ACCURACY = "eval/anchor/accuracy"  # the anchor evaluated as a model (eval.anchor)
 _SEED_SUFFIX = re.compile(r"[-_](seed|s)\d+$")
 
 
@@ -94,10 +95,44 @@ def _last(run: Run, metric: str, window: int) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
+def _final(run: Run, metric: str) -> float:
+    """The value at the last step that logged `metric` (NaN: never logged)."""
+    series = run.series.get(metric, {})
+    return series[max(series)] if series else math.nan
+
+
+def _fmt_logged(values: list[float], digits: int) -> str:
+    """mean ± std over the runs that logged a value ("-": none did)."""
+    logged = [v for v in values if not math.isnan(v)]
+    return _fmt(*_mean_std(logged), digits, len(logged)) if logged else "-"
+
+
 def steps_to_threshold(run: Run, threshold: float) -> int | None:
     """First step whose eval/accuracy reaches `threshold` (None: never)."""
     series = run.series.get("eval/accuracy", {})
     return next((s for s in sorted(series) if series[s] >= threshold), None)
+
+
+ACCURACY_FLOOR = 0.5  # collapse: held-out accuracy below this fraction of its start, after rising
+ENTROPY_FLOOR = 0.01  # collapse: entropy (nats per token, trailing mean) below this
+
+
+def collapse(run: Run, window: int = 10) -> str | None:
+    """Why the run collapsed, or None: "accuracy" when its held-out accuracy, after rising above
+    its first evaluation, falls below ACCURACY_FLOOR times that first value; "entropy" when its
+    policy entropy, a trailing mean over `window` steps, falls below ENTROPY_FLOOR nats per token."""
+    acc = run.series.get("eval/accuracy", {})
+    steps = sorted(acc)
+    if steps:
+        start, risen = acc[steps[0]], False
+        for s in steps[1:]:
+            risen = risen or acc[s] > start
+            if risen and acc[s] < ACCURACY_FLOOR * start:
+                return "accuracy"
+    _, entropy = aligned([run], "entropy", window)
+    if entropy and min(entropy[0]) < ENTROPY_FLOOR:
+        return "entropy"
+    return None
 
 
 def groups(runs: list[Run]) -> dict[str, list[Run]]:
@@ -112,6 +147,9 @@ def summary_table(runs: list[Run], threshold: float | None = None, window: int =
     reward and KL (and, where runs log it, the engine/trainer mismatch KL) averaged over the last
     `window` steps, and of the steps to `threshold`."""
     header = ["config", "seeds", "accuracy before", "accuracy after", "reward (last)", "KL (last)"]
+    anchored = any(ANCHOR_ACCURACY in r.series for r in runs)
+    if anchored:
+        header.insert(4, "anchor accuracy after")
     mismatch = any("mismatch/kl" in r.series for r in runs)
     if mismatch:
         header.append("mismatch KL (last)")
@@ -135,12 +173,12 @@ def summary_table(runs: list[Run], threshold: float | None = None, window: int =
             str(n),
             _fmt(*_mean_std(first), 3, n) if first else "-",
             _fmt(*_mean_std(final), 3, n) if final else "-",
+            *([_fmt_logged([_final(r, ANCHOR_ACCURACY) for r in members], 3)] if anchored else []),
             _fmt(*_mean_std([_last(r, "reward/mean", window) for r in members]), 3, n),
             _fmt(*_mean_std([_last(r, "kl/value", window) for r in members]), 4, n),
         ]
         if mismatch:
-            logged = [_last(r, "mismatch/kl", window) for r in members if "mismatch/kl" in r.series]
-            row.append(_fmt(*_mean_std(logged), 6, len(logged)) if logged else "-")
+            row.append(_fmt_logged([_last(r, "mismatch/kl", window) for r in members], 6))
         if threshold is not None:
             reached = [s for s in (steps_to_threshold(r, threshold) for r in members) if s is not None]
             if not reached:
@@ -163,17 +201,19 @@ def plot(runs: list[Run], out: str | Path, smooth: int = 5):
     fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4), constrained_layout=True)
     for (metric, title), ax in zip(curves, axes, strict=True):
         for colour, (name, members) in enumerate(groups(runs).items()):
-            # Evaluation is sparse and already an average: smoothing it would hide its steps.
-            steps, values = aligned(members, metric, 1 if metric.startswith("eval/") else smooth)
-            if not steps:
-                continue
-            columns = list(zip(*values, strict=True))
-            mean = [statistics.fmean(c) for c in columns]
-            ax.plot(steps, mean, color=f"C{colour}", label=f"{name} (n={len(members)})")
-            if len(members) > 1:
-                ax.fill_between(
-                    steps, [min(c) for c in columns], [max(c) for c in columns], color=f"C{colour}", alpha=0.2
-                )
+            # The anchor's own accuracy (eval.anchor) dashed beside the policy's, in its colour.
+            beside = [(ANCHOR_ACCURACY, "--", f"{name} anchor")] if metric == "eval/accuracy" else []
+            for series, style, label in [(metric, "-", f"{name} (n={len(members)})"), *beside]:
+                # Evaluation is sparse and already an average: smoothing it would hide its steps.
+                steps, values = aligned(members, series, 1 if series.startswith("eval/") else smooth)
+                if not steps:
+                    continue
+                columns = list(zip(*values, strict=True))
+                mean = [statistics.fmean(c) for c in columns]
+                ax.plot(steps, mean, style, color=f"C{colour}", label=label)
+                if len(members) > 1:
+                    low, high = [min(c) for c in columns], [max(c) for c in columns]
+                    ax.fill_between(steps, low, high, color=f"C{colour}", alpha=0.2)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -201,3 +241,45 @@ def report(run_dirs: list[str], out: str | Path, threshold: float | None, smooth
     plt.close(fig)
     out.with_suffix(".md").write_text(table)
     return table
+
+
+@dataclass
+class FrontierPoint:
+    """One config on a frontier picture: its curve (e.g. the anchor), its label (e.g. beta) and
+    one (x, y) per seed."""
+
+    curve: str
+    label: str
+    x: list[float]
+    y: list[float]
+
+
+def plot_frontier(panels: dict[str, list[FrontierPoint]], out: str | Path, xlabel: str, ylabel: str):
+    """One panel per key: each curve's points joined in order of x, at their means over seeds with
+    error bars of one std in x and y, each labelled; x on a log scale (KLs span decades)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6 * len(panels), 4.5), constrained_layout=True, squeeze=False
+    )
+    for (title, points), ax in zip(panels.items(), axes[0], strict=True):
+        curves: dict[str, list[FrontierPoint]] = {}
+        for point in points:
+            curves.setdefault(point.curve, []).append(point)
+        for colour, (curve, members) in enumerate(curves.items()):
+            stats = sorted((*_mean_std(p.x), *_mean_std(p.y), p.label) for p in members)
+            xs, xerr, ys, yerr, labels = zip(*stats, strict=True)
+            ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, color=f"C{colour}", marker="o", capsize=3, label=curve)
+            for x, y, label in zip(xs, ys, labels, strict=True):
+                ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
+        ax.set_xscale("log")
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

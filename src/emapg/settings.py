@@ -149,7 +149,7 @@ class Registry:
         return sorted(self._entries)
 
     def __getitem__(self, name: str) -> Entry:
-        if name not in self._entries:
+        if not isinstance(name, str) or name not in self._entries:  # a YAML list or number too
             raise EmapgError(
                 f"{self.setting}: unknown {name!r}{suggest(str(name), self._entries)}; "
                 f"registered: {', '.join(self.names())}"

@@ -37,7 +37,9 @@ from emapg.tasks.base import Example, WarmStartRecipe
 
 IGNORE_INDEX = -100  # label value that torch's cross-entropy (and HF models) skip
 # Bump when the warm-start recipe changes, so stale caches are not reused.
-WARM_START_VERSION = 2  # 2: the stopping test samples through the rollout engine
+# 3: keyed by the CPU kernels it ran on (models.pin_cpu_kernels); 2: the stopping test samples
+# through the rollout engine.
+WARM_START_VERSION = 3
 
 
 class WarmStartSettings(Section):
@@ -256,6 +258,8 @@ def _settings(recipe: WarmStartRecipe, model_kwargs, sft_kwargs, target_accuracy
         **({"tokenizer_kwargs": {"extra_chars": recipe.extra_chars}} if recipe.extra_chars else {}),
         "target_accuracy": target_accuracy,
         "num_val": num_val if target_accuracy is not None else 0,
+        # The kernels decide the model too (models.pin_cpu_kernels): AVX2 and AVX-512 give two.
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
     }
 
 

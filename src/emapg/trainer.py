@@ -25,10 +25,10 @@ from emapg.anchor import Anchor
 from emapg.config import Config
 from emapg.dynamic_sampling import Round, uniform_groups
 from emapg.errors import EmapgError
-from emapg.evaluation import sample_and_score
+from emapg.evaluation import HeldOut, held_out
 from emapg.lora import AdapterAnchor
 from emapg.metrics import MetricsLog, PhaseTimer
-from emapg.models import checkpoint_activations, load_model_and_tokenizer
+from emapg.models import checkpoint_activations, load_model_and_tokenizer, pin_cpu_kernels
 from emapg.optim import make_optimizer
 from emapg.prompts import encode_prompts
 from emapg.rewards import RewardScorer, Scored
@@ -36,7 +36,7 @@ from emapg.rollout import Rollout, RolloutEngine, SamplingParams, eos_ids, make_
 from emapg.rollout.multiturn import sample_examples
 from emapg.tasks import make_task, warm_start_recipe
 from emapg.tasks.base import Example, Task
-from emapg.update import anchor_pass, old_policy, update
+from emapg.update import anchor_pass, old_policy, response_logp, update
 
 
 @dataclass
@@ -136,43 +136,67 @@ def eval_params(cfg: Config) -> SamplingParams:
 SAMPLES_PER_EVAL = 4  # responses written to samples.jsonl at each evaluation
 
 
+def _held_out(run: Run) -> HeldOut:
+    """eval/accuracy's sampling of the held-out set with the weights the engine holds."""
+    cfg = run.cfg
+    return held_out(
+        run.engine, run.tokenizer, run.task, run.eval_examples, run.scorer, eval_params(cfg),
+        samples=1 if cfg.eval.greedy else cfg.eval.samples, chat_template=cfg.model.chat_template, eos=run.eos,
+    )  # fmt: skip
+
+
+def eval_kls(run: Run, got: HeldOut) -> dict:
+    """eval/drift_kl and eval/anchor_kl: k3 of KL(policy || reference) per response token on the
+    evaluation's responses (drawn from the policy at eval.temperature, top_p 1), every rank's
+    real rows; the reference is the policy's initial weights, then the anchor."""
+    cfg = run.cfg
+    batch = got.batch.to(next(run.model.parameters()).device)
+    mask = batch.response_mask.clone()
+    mask[got.real :] = False  # padding rows
+    logp, _ = response_logp(cfg, run.model, batch, cfg.eval.temperature)
+    out = {}
+    for name, reference in (("drift_kl", run.initial), ("anchor_kl", run.anchor)):
+        if reference is None:
+            continue
+        with reference.active() as model:
+            ref_logp, _ = response_logp(cfg, model, batch, cfg.eval.temperature)
+        total, tokens = distributed.sum_all(
+            float((kl.sampled(logp, ref_logp, "k3") * mask).sum()), float(mask.sum())
+        )
+        out[f"eval/{name}"] = total / max(tokens, 1.0)
+    return out
+
+
 def evaluate(run: Run, step: int) -> tuple[float, dict]:
     """Held-out accuracy: mean reward over `eval.samples` responses per problem (pass@1), or
-    of one greedy response, and the task's eval/ metrics (sampling: `eval_params`). Rewards go
-    through the same guarded scorer as training. With several processes each rank samples its slice (the
-    last one padded with repeats, so all run the same forwards) and the figures are reduced
-    over the real rows. A few responses go to samples.jsonl."""
+    of one greedy response (sampling: `eval_params`, rewards through training's guarded scorer),
+    the task's eval/ metrics, and as configured the KLs of `eval_kls` (eval.kl) and the anchor's
+    own accuracy on the same rows and noise (eval.anchor: eval/anchor/accuracy). A few responses
+    go to samples.jsonl."""
     cfg = run.cfg
-    n = 1 if cfg.eval.greedy else cfg.eval.samples
-    examples = [e for e in run.eval_examples for _ in range(n)]
-    per = -(-len(examples) // distributed.world())
-    first = distributed.rank() * per
-    real = max(0, min(per, len(examples) - first))  # rows of this slice that are not padding
-    mine = (examples + examples[-1:] * (per * distributed.world() - len(examples)))[first : first + per]
     run.engine.sync_weights(run.model, run.state.optimizer_steps)
-    batch, scored = sample_and_score(
-        run.engine,
-        run.tokenizer,
-        run.task,
-        mine,
-        run.scorer,
-        eval_params(cfg),
-        chat_template=cfg.model.chat_template,
-        eos=run.eos,
-        rows=list(range(first, first + per)),
-    )
-    texts, rewards, mine = batch.texts[:real], scored.rewards[:real], mine[:real]
+    got = _held_out(run)
+    real = got.real  # this rank's rows that are not padding
+    texts, rewards, mine = got.batch.texts[:real], got.scored.rewards[:real], got.examples[:real]
     if run.log:
+        n = 1 if cfg.eval.greedy else cfg.eval.samples
         run.log.log_samples(
             step,
             [
                 {"prompt": e.prompt, "response": t, "reward": r, "answer": e.answer}
-                for e, t, r in list(zip(mine, texts, rewards, strict=True))[:: max(1, n)][:SAMPLES_PER_EVAL]
+                for e, t, r in list(zip(mine, texts, rewards, strict=True))[::n][:SAMPLES_PER_EVAL]
             ],
         )
-    correct, total = distributed.sum_all(sum(rewards), real)
-    parts = reward_part_metrics(run.task, scored, "eval/", real)
-    return correct / total, {**parts, **task_metrics(run.task, texts, mine, "eval/")}
+    metrics = {
+        **reward_part_metrics(run.task, got.scored, "eval/", real),
+        **task_metrics(run.task, texts, mine, "eval/"),
+        **(eval_kls(run, got) if cfg.eval.kl else {}),
+    }
+    if cfg.evaluates_anchor:
+        with run.anchor.active() as anchor_model:
+            run.engine.sync_weights(anchor_model, ("anchor", run.state.optimizer_steps))
+            metrics["eval/anchor/accuracy"] = _held_out(run).accuracy
+    return got.accuracy, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +252,7 @@ def check_context(cfg: Config, model, tokenizer, examples: list[Example], task: 
         )
 
 
-def _device(cfg: Config) -> torch.device:
+def device_of(cfg: Config) -> torch.device:
     if cfg.train.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
@@ -254,6 +278,7 @@ class Run:
     engine: RolloutEngine
     scorer: RewardScorer
     anchor: Anchor | AdapterAnchor | None
+    initial: Anchor | AdapterAnchor | None  # the policy's initial weights, for eval.kl's drift
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
@@ -314,6 +339,19 @@ def make_anchor(cfg: Config, model: nn.Module) -> Anchor | AdapterAnchor | None:
     return anchor
 
 
+def initial_weights(cfg: Config, model: nn.Module, anchor) -> Anchor | AdapterAnchor:
+    """eval.kl's reference for drift: the policy as it starts. A frozen anchor is that already;
+    with LoRA it is the base (the adapters start at zero); else a frozen copy, taken before a
+    resumed run loads its checkpoint."""
+    if cfg.anchor.kind == "frozen":
+        return anchor
+    if cfg.lora.r:
+        return AdapterAnchor(model, 1.0, 1)
+    initial = Anchor(model, 1.0, 1)
+    distributed.shard(initial.model)
+    return initial
+
+
 def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     """Task, policy, engine, anchor, optimiser, data and log, restored from the last
     checkpoint when resuming. Every check that can fail runs before any training."""
@@ -347,6 +385,7 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     if cfg.train.gradient_checkpointing:
         checkpoint_activations(model)
     anchor = make_anchor(cfg, model)
+    initial = initial_weights(cfg, model, anchor) if cfg.eval.kl else None
     distributed.shard(model)
     optimizer, scheduler = make_optimizer(
         [p for p in model.parameters() if p.requires_grad],  # with LoRA: the policy adapter alone
@@ -366,6 +405,7 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
         engine=engine,
         scorer=scorer,
         anchor=anchor,
+        initial=initial,
         optimizer=optimizer,
         scheduler=scheduler,
         sampler=PromptSampler(train_examples, cfg.train.seed),
@@ -396,9 +436,11 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
 
     Under torchrun (WORLD_SIZE > 1) every rank runs this loop on its slice of each batch, with
     policy and anchor sharded by FSDP2; rank 0 alone logs and writes the run's files."""
+    if cfg.model.path == "builtin:tiny":
+        pin_cpu_kernels()  # before any CPU kernel runs: the default run is the same on any x86-64 CPU
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    device = distributed.init(_device(cfg))
+    device = distributed.init(device_of(cfg))
     try:
         run = setup(cfg, resume, device)
         try:

@@ -151,16 +151,15 @@ class OldPolicy:
 
 
 @torch.no_grad()
-def recompute_old_logp(cfg, model, batch: Rollout, k: int) -> tuple[Tensor, Tensor]:
-    """The trainer's own pi_old: a no-grad pass of the policy over the batch, before the first
-    optimiser step, giving the log-prob at each sampled token and the top-k ids (k of them)."""
+def response_logp(cfg, model, batch: Rollout, temperature: float, k: int = 0) -> tuple[Tensor, Tensor]:
+    """A no-grad pass of `model` over the batch at `temperature`, micro-batch by micro-batch: the
+    log-prob of each sampled token [N, L] and the model's top-k ids there [N, L, k]. Before the
+    first optimiser step, at the rollout's temperature, it is the trainer's own pi_old."""
     n, width = batch.response_mask.shape
     logp = torch.zeros(n, width, device=batch.sequences.device)
     topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=batch.sequences.device)
     for rows, part, w in each_micro_batch(cfg, batch):
-        s = response_summary(
-            model, part, part.responses.unsqueeze(-1), temperature=cfg.rollout.temperature, topk_self=k
-        )
+        s = response_summary(model, part, part.responses.unsqueeze(-1), temperature=temperature, topk_self=k)
         if rows is not None:
             logp[rows, :w], topk_ids[rows, :w] = s.logp()[..., 0], s.topk_ids
     return logp, topk_ids
@@ -174,7 +173,7 @@ def old_policy(cfg, model, batch: Rollout, k: int, timer: PhaseTimer) -> tuple[O
     metrics = {}
     if cfg.recomputes_old_logp:
         with timer("old_logp"):
-            logp, topk_ids = recompute_old_logp(cfg, model, batch, k)
+            logp, topk_ids = response_logp(cfg, model, batch, cfg.rollout.temperature, k)
         m = rollout_correction.mismatch_metrics(logp, batch.sampling_logp, mask, topk_ids, batch.topk_ids)
         kl_sum, overlap_sum, tokens = distributed.sum_all(
             m["kl_sum"], m.get("topk_overlap_sum", 0.0), m["tokens"]

@@ -15,7 +15,7 @@ the sampling distribution). The trainer builds one engine per run and owns it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, ClassVar, Protocol, runtime_checkable
 
@@ -235,9 +235,10 @@ class RolloutEngine(Protocol):
         that samples its slice of a batch draws what one process would draw for those rows."""
         ...
 
-    def sync_weights(self, model: nn.Module, version: int) -> None:
-        """Make the engine sample from `model`'s current weights; `version` counts weight
-        updates, so an engine that copies weights skips the copy when nothing changed."""
+    def sync_weights(self, model: nn.Module, version: Hashable) -> None:
+        """Make the engine sample from `model`'s current weights; `version` names them (the
+        policy's optimiser-step count, or ("anchor", step) for the anchor's), so an engine that
+        copies weights skips the copy when they are the ones it holds."""
         ...
 
     def sleep(self) -> None:

@@ -17,7 +17,7 @@ call seed comes from torch's global generator, so `torch.manual_seed` still gove
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -149,7 +149,7 @@ class HFEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_size: int = 256):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
 
-    def sync_weights(self, model: PreTrainedModel, version: int) -> None:
+    def sync_weights(self, model: PreTrainedModel, version: Hashable) -> None:
         self.model = model
 
     def sleep(self) -> None:

@@ -41,7 +41,7 @@ import math
 import os
 import random
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
 
@@ -283,7 +283,7 @@ class VllmEngine:
         self.max_logprobs = max_logprobs
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
         self.eos_ids = sorted(eos_ids)
-        self.version: int | None = None  # weight version last pushed; None: the checkpoint's
+        self.version: Hashable = None  # weight version last pushed; None: the checkpoint's
         self.asleep = False
         # Under torchrun each rank runs its own engine for its own rows (vLLM's external_launcher:
         # the engine joins the trainer's process group instead of starting workers; tensor and
@@ -357,7 +357,7 @@ class VllmEngine:
             [o.outputs[0] for o in outputs], prompt_ids, topk=params.topk, tokenizer=self.tokenizer
         )
 
-    def sync_weights(self, model: nn.Module, version: int) -> None:
+    def sync_weights(self, model: nn.Module, version: Hashable) -> None:
         """Push every parameter of `model` unless `version` was the last one pushed."""
         if version == self.version:
             return

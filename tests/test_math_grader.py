@@ -9,7 +9,7 @@ import pytest
 from math_verify import parse, verify
 
 from emapg.tasks import math_grader
-from emapg.tasks.math_grader import MAX_ANSWER_CHARS, _parse, _small_value, has_boxed_answer, score
+from emapg.tasks.math_grader import MAX_ANSWER_CHARS, _guard, _parse, has_boxed_answer, score
 
 # (response, reference, expected score), each written and judged by hand.
 CASES = [
@@ -120,7 +120,7 @@ def _plain_math_verify(answer: str, reference: str) -> float:
 def test_ordinary_answers_grade_as_plain_math_verify(answer, reference, expected, monkeypatch):
     # math-verify's default time limits on both sides: on a busy machine 1 s may cut one short
     monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 5)
-    assert all(_small_value(e) for e in _parse(f"\\boxed{{{answer}}}") + _parse(f"\\boxed{{{reference}}}"))
+    assert not any(_guard(e) for e in _parse(f"\\boxed{{{answer}}}") + _parse(f"\\boxed{{{reference}}}"))
     assert score(f"so \\boxed{{{answer}}}.", reference) == expected == _plain_math_verify(answer, reference)
 
 
@@ -129,7 +129,8 @@ ROOTS = "The roots are $\\boxed{2}$ and $\\boxed{3}$."
 SEVERAL_BOXED = [
     ("\\boxed{3}", ROOTS, 0.0),  # only the last one
     ("\\boxed{2}", ROOTS, 0.0),
-    ("\\boxed{2} and \\boxed{3}", ROOTS, 0.0),  # the response's last boxed answer counts
+    ("\\boxed{2} and \\boxed{3}", ROOTS, 1.0),  # boxes joined by "and": one list
+    ("\\boxed{2} so \\boxed{3}", ROOTS, 0.0),  # prose between them: the last box alone
     ("\\boxed{2, 3, 4}", ROOTS, 0.0),
     ("\\boxed{2, 3}", ROOTS, 1.0),
     ("\\boxed{3, 2}", ROOTS, 1.0),
@@ -261,3 +262,23 @@ def test_has_boxed_answer():
     assert has_boxed_answer("\\boxed{}")
     assert not has_boxed_answer("\\boxed{7")
     assert not has_boxed_answer("7")
+
+
+@pytest.mark.parametrize(
+    "response,reference,guard",
+    [
+        ("\\boxed{2^{10^{100}}}", "2", "digits"),
+        ("\\boxed{x^{10^{100}}}", "x", "digits"),
+        ("\\boxed{5}", "(10^{7})!", "digits"),  # the reference is guarded too
+        ("\\boxed{\\sum_{i=1}^{10^{9}} i}", "5", "terms"),
+        ("\\boxed{" + "{" * 30 + "5" + "}" * 30 + "}", "5", "nesting"),
+        ("\\boxed{1}", "".join(f"\\boxed{{{i}}}" for i in range(1, 30)), "boxes"),
+        ("\\boxed{" + "1" * MAX_ANSWER_CHARS + "}", "1", "length"),
+        ("\\boxed{e^{-x^2}}", "\\exp(-x^2)", None),
+        ("\\boxed{5}", "6", None),  # compared, and wrong: not a refusal
+        ("no box", "6", None),
+    ],
+)
+def test_refusal_names_the_guard(response, reference, guard):
+    assert math_grader.refusal(response, reference) == guard
+    assert guard is None or guard in math_grader.GUARDS

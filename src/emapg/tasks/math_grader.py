@@ -6,24 +6,36 @@ Being SymPy, it can be made to compute without end: `2^{10^{100}}` asks for a nu
 10^100 digits, a C-level big-integer computation that no signal can interrupt. So `score`
 never hands math-verify anything it cannot finish quickly:
 
-0. what is graded: of a response, its last boxed answer after its last `</think>` (the whole
-   response without one); of a reference, its boxed answer, or all its distinct boxed answers
-   as one list when it has several (see reference_boxed).
-1. size: only the text from the last `\\boxed` on, at most MAX_ANSWER_CHARS, is parsed
-   (the last boxed answer counts); a reference is at most as long. Brace nesting deeper than
-   MAX_BRACE_DEPTH is refused (the LaTeX parser's time grows steeply with depth).
-2. magnitude: parsing does not evaluate (`2^{10^{100}}` stays a Pow tree), so before the
-   comparison, which does evaluate, both trees are checked: a number, power or factorial
-   whose value would have more than MAX_DIGITS digits is refused, and so is a sum or product
-   of more than MAX_TERMS terms. Only what is provably big: a decimal counts the digits of its
-   magnitude (`2^{0.5}` passes), a symbolic exponent (`x^{n+1}`) only the numbers in it, and a
-   sum or product over a symbolic range (`\\sum_{k=1}^{n} k`), which SymPy never expands, passes
+0. what is graded (`final_answer`, `reference_boxed`): of a response, after its last `</think>`
+   (the whole response without one), its last boxed answer together with the boxes just before
+   it that only separators divide from it (commas, "and", "or", `\\quad`, `$`, `\\text{ and }`:
+   `\\boxed{2} and \\boxed{3}` is the list 2, 3, which math-verify compares as a set; prose ends
+   the list: `\\boxed{1} so \\boxed{3}` is 3; a `\\text{}` note inside the math and a label such
+   as `y_2 =` do not). A reference is a plain answer, or a solution whose distinct boxed answers
+   are all its answers, as one list (a solution boxes what it proves, wherever it stands). An
+   answer that is not boxed is not read (Minerva's "The final answer is $10,455$. I hope it is
+   correct." is graded by its last box, if any).
+   Both sides: a decimal exponent is the exact fraction it writes (`2^{0.5}` is `2^{1/2}`), so
+   neither order of a pair grades differently from the other.
+1. size ("length", "boxes", "nesting"): only the text from a `\\boxed` on, at most MAX_ANSWER_CHARS
+   of it, is read, and a list of boxes is at most as long (a longer answer never closes); a
+   reference has at most MAX_REFERENCE_BOXES boxes. Brace nesting deeper than MAX_BRACE_DEPTH is
+   refused (the LaTeX parser's time grows steeply with depth): `\\boxed{{{...{5}...}}}`.
+2. magnitude ("digits", "terms"): parsing does not evaluate (`2^{10^{100}}` stays a Pow tree), so
+   before the comparison, which does evaluate, both trees are checked: a number, power or
+   factorial whose value would have more than MAX_DIGITS digits is refused (`2^{10^{100}}`,
+   `(10^{7})!`, `x^{10^{100}}`), and so is a sum or product of more than MAX_TERMS terms
+   (`\\sum_{i=1}^{10^{9}} i`). The bound is on values, not on how an expression is written: a
+   decimal counts the digits of its magnitude (`2^{0.5}` passes), a symbolic exponent
+   (`e^{-x^2}`, `2^{n(n+1)/2}`) only the numbers in it (`2^{10^{100} x}` is refused), and a sum
+   or product over a symbolic range (`\\sum_{k=1}^{n} k`), which SymPy never expands, passes
    when its term is at most MAX_SYMBOLIC_TERM_DIGITS digits.
 3. time: math-verify's own per-parse and per-comparison limits (signal based, so only in the
    main thread; elsewhere steps 1-2 are the guard). Training also runs `score` in a worker
    process with a hard time limit (emapg.rewards), since MathTask does not claim to be safe.
 
-Refused or failing inputs score 0, except a boxed answer written exactly as the reference.
+Refused or failing inputs score 0, except a boxed answer written exactly as the reference;
+`refusal` names the guard (GUARDS) that refused a pair.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import threading
 
 import sympy
@@ -47,23 +60,36 @@ MAX_TERMS = 1000  # of a sum or product the comparison may expand
 MAX_SYMBOLIC_TERM_DIGITS = 50  # of the term of a sum or product over k = 1..n (its closed form)
 TIME_LIMIT_S = 1  # per parse and per comparison (math-verify takes whole seconds)
 
+GUARDS = {  # what `refusal` returns, each a class of answer the grader will not compare
+    "length": f"a boxed answer (or list of them) longer than MAX_ANSWER_CHARS = {MAX_ANSWER_CHARS} characters",
+    "boxes": f"a reference with more than MAX_REFERENCE_BOXES = {MAX_REFERENCE_BOXES} boxed answers",
+    "nesting": f"braces nested deeper than MAX_BRACE_DEPTH = {MAX_BRACE_DEPTH}",
+    "digits": f"a number with more than MAX_DIGITS = {MAX_DIGITS} digits, e.g. 2^{{10^{{100}}}}",
+    "terms": f"a sum or product of more than MAX_TERMS = {MAX_TERMS} terms",
+}
+# What may divide the boxes of one final answer: whitespace, punctuation, math delimiters, LaTeX
+# spacing and line breaks, the words "and" / "or", a \text{} note inside the math, and a label
+# (`y_2 =`) before the next box.
+SEPARATOR = re.compile(
+    r"(?:\s|[,;.&~$]|\\[()\[\]]|\\\\|\\[,;:! ]|\\q?quad|\\(?:text|textrm|mbox|mathrm)\{[^{}]*\}"
+    r"|\band\b|\bor\b|\b[a-z](?:_\{?\w+\}?)?\s*=)*",
+    re.IGNORECASE,
+)
 _EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0)]
 # math-verify logs every parse failure and timeout; a policy produces thousands of those.
 logging.getLogger("math_verify").setLevel(logging.CRITICAL)
 
 
 def score(response: str, reference: str) -> float:
-    """1.0 when the last `\\boxed{}` answer of `response` (after its last `</think>`) equals
-    `reference`, else 0.0.
+    """1.0 when the final boxed answer of `response` (`final_answer`) equals `reference`, else 0.0.
 
     `reference` is the answer itself ("\\frac{1}{2}", "18", "[1, 2)"), or a text whose boxed
-    answer is the reference (a MATH solution; several boxed answers are one list). Never raises; see the module doc for why
-    it always returns quickly.
+    answer is the reference (a MATH solution; several boxed answers are one list). Never raises;
+    see the module doc for why it always returns quickly.
     """
     if not isinstance(response, str) or not isinstance(reference, str):
         return 0.0
-    answer = last_boxed(final_part(response))
-    gold_text = reference_boxed(reference)
+    answer, gold_text = final_answer(response), reference_boxed(reference)
     if answer is None or gold_text is None:
         return 0.0
     written = _content(answer)
@@ -71,14 +97,70 @@ def score(response: str, reference: str) -> float:
         return 1.0
     if not (_small_text(answer) and _small_text(gold_text)):
         return 0.0
-    gold = _parse(gold_text)
-    pred = _parse(answer)
-    if not gold or not pred or not all(map(_small_value, gold + pred)):
+    gold, pred = _parse(gold_text), _parse(answer)
+    if not gold or not pred or any(_guard(e) for e in gold + pred):
         return 0.0
     try:
-        return 1.0 if verify(gold, pred, timeout_seconds=_time_limit()) else 0.0
+        return 1.0 if verify(_exact(gold), _exact(pred), timeout_seconds=_time_limit()) else 0.0
     except Exception:  # math-verify swallows its own errors; this is for what it cannot
         return 0.0
+
+
+def refusal(response: str, reference: str) -> str | None:
+    """The guard (a key of GUARDS) that keeps `score` from comparing this pair, or None when it
+    compares them (or has no boxed answer to compare)."""
+    if not isinstance(response, str) or not isinstance(reference, str):
+        return None
+    if reference.count(BOXED) > MAX_REFERENCE_BOXES:
+        return "boxes"
+    answer, gold_text = final_answer(response), reference_boxed(reference)
+    if answer is None or gold_text is None:
+        too_long = answer is None and last_boxed(final_part(response)) is not None
+        return "length" if too_long or (gold_text is None and BOXED in reference) else None
+    if _content(answer) is None:  # the last box does not close within MAX_ANSWER_CHARS: does it ever?
+        text = final_part(response)
+        return "length" if _box_end(text[text.rfind(BOXED) :]) is not None else None
+    if not (_small_text(answer) and _small_text(gold_text)):
+        return "nesting"
+    return next((why for e in _parse(gold_text) + _parse(answer) if (why := _guard(e))), None)
+
+
+def final_answer(response: str) -> str | None:
+    """What is graded of a response, as one boxed answer: `boxed_list` of its text after its last
+    `</think>` (`\\boxed{2} and \\boxed{3}` gives `\\boxed{2, 3}`)."""
+    return boxed_list(final_part(response))
+
+
+def boxed_list(text: str) -> str | None:
+    """The last `\\boxed{}` of `text` and the boxes before it that only SEPARATOR text divides from
+    it, their distinct contents as one boxed list. A last box that never closes is returned as it
+    is (it will not parse); None without a box, or when the list is longer than MAX_ANSWER_CHARS."""
+    contents: list[str] = []  # last box first
+    first = end = len(text)  # `first`: where the earliest box of the list starts
+    while len(contents) < MAX_REFERENCE_BOXES:
+        start = text.rfind(BOXED, 0, end)
+        if start < 0:
+            break
+        close = _box_end(text[start : start + MAX_ANSWER_CHARS])
+        if close is None:  # never closes: the list ends here (the last box: nothing to grade)
+            if not contents:
+                return last_boxed(text)
+            break
+        inside = text[start + len(BOXED) + 1 : start + close].strip()
+        if contents and start + close >= first:  # encloses the box found before: it is that answer
+            contents[-1] = inside
+        elif contents and not SEPARATOR.fullmatch(text[start + close + 1 : first]):
+            break
+        else:
+            contents.append(inside)
+        first, end = start, start
+    if not contents:
+        return None
+    distinct: dict[str, str] = {}  # whitespace-free form -> the first written form, in order
+    for inside in reversed(contents):
+        distinct.setdefault("".join(inside.split()), inside)
+    joined = ", ".join(distinct.values())
+    return f"{BOXED}{{{joined}}}" if len(joined) <= MAX_ANSWER_CHARS - len(BOXED) - 2 else None
 
 
 def final_part(response: str) -> str:
@@ -169,18 +251,33 @@ def _time_limit() -> int | None:
     return TIME_LIMIT_S if threading.current_thread() is threading.main_thread() else None
 
 
-def _small_value(expr) -> bool:
-    """Whether evaluating `expr` (a parsed answer: SymPy or a fallback string) stays small."""
+def _guard(expr) -> str | None:
+    """The GUARDS key that refuses evaluating `expr` (a parsed answer: SymPy or a fallback
+    string), or None when it stays small."""
+    if isinstance(expr, sympy.MatrixBase):
+        return next((why for e in expr if (why := _guard(e))), None)
     if not isinstance(expr, sympy.Basic):
-        return isinstance(expr, str) or _small_matrix(expr)
+        return None if isinstance(expr, str) else "digits"
     try:
-        return _digits(expr) <= MAX_DIGITS
+        if any(_terms(node.limits) == math.inf for node in expr.atoms(sympy.Sum, sympy.Product)):
+            return "terms"
+        return None if _digits(expr) <= MAX_DIGITS else "digits"
     except Exception:  # RecursionError on a deep tree, or a node _digits cannot size
-        return False
+        return "digits"
 
 
-def _small_matrix(expr) -> bool:
-    return isinstance(expr, sympy.MatrixBase) and all(_small_value(e) for e in expr)
+def _exact(parsed: list) -> list:
+    """Each parsed answer with its decimal exponents as the fractions they write (`2^{0.5}` is
+    `2^{1/2}`): math-verify compares a float power only one way round."""
+    return [
+        e.replace(
+            lambda x: isinstance(x, sympy.Pow) and isinstance(x.exp, sympy.Float),
+            lambda x: sympy.Pow(x.base, sympy.Rational(str(x.exp))),
+        )
+        if isinstance(e, sympy.Basic)
+        else e
+        for e in parsed
+    ]
 
 
 def _digits(expr: sympy.Basic) -> float:
@@ -210,10 +307,12 @@ def _digits(expr: sympy.Basic) -> float:
         if terms is None:  # a symbolic number of terms: never expanded, only closed forms
             return body + 1 if body <= MAX_SYMBOLIC_TERM_DIGITS else math.inf
         return terms * body if isinstance(expr, sympy.Product) else body + math.log10(terms) + 1
+    if not expr.args:  # a symbol or constant (x, pi, e, i, oo): no number of its own
+        return 1.0
     children = [_digits(a) for a in expr.args]
     if isinstance(expr, sympy.Mul):
         return sum(children)
-    return max(children, default=1.0) + 1
+    return max(children) + 1
 
 
 def _float_digits(x: sympy.Float) -> float:
@@ -245,21 +344,29 @@ def _terms(limits) -> float | None:
 def _power_digits(base_digits: float, exponent: sympy.Basic) -> float:
     """Digits of base**exponent from the base's digits: the exponent's value is what matters.
 
-    A symbolic exponent (`x^{n+1}`) computes nothing big by itself, but the numbers in it must
-    be small (`x^{10^{9} n}` is refused); a numeric one, integer, fraction or decimal
-    (`2^{0.5}`, `10^{1.5}`), is evaluated to 15 digits, which is cheap once its own size is
-    bounded, and refused when base**value would be too long. An infinite exponent
-    (`2^{\\infty}`) is SymPy's business: it computes no digits.
+    A symbolic exponent (`x^{n+1}`, `e^{-x^2}`) computes nothing big by itself, but the numbers in
+    it must be small (`x^{10^{9} n}` is refused); a numeric one, integer, fraction or decimal
+    (`2^{0.5}`, `10^{1.5}`, `e^{\\pi\\sqrt{3}/6}`), is evaluated to 15 digits once its own size is
+    bounded, and refused when base**value would be too long. An infinite exponent (`2^{\\infty}`)
+    is SymPy's business: it computes no digits.
     """
-    size = _digits(exponent)
-    if size > 6:  # an exponent of 10^6 or more: even 2**exponent is too big
-        return math.inf
     if not exponent.is_number:
-        return max(base_digits, size)
+        size = _number_digits(exponent)
+        return max(base_digits, size) if size <= 6 else math.inf
+    size = _digits(exponent)
+    if size > MAX_DIGITS:
+        return math.inf
     try:
-        value = abs(complex(exponent.evalf(15)))  # the exponent is small: evaluating it is cheap
+        value = abs(complex(exponent.evalf(15)))  # its numbers are bounded: evaluating is cheap
     except (TypeError, ValueError, OverflowError):
         return math.inf
     if math.isnan(value) or (math.isinf(value) and exponent.is_infinite):
         return max(base_digits, size)
     return max(base_digits, size, base_digits * value + 1)
+
+
+def _number_digits(expr: sympy.Basic) -> float:
+    """Digits of the largest number written in a symbolic `expr`: of each part without symbols."""
+    if expr.is_number:
+        return _digits(expr)
+    return max((_number_digits(a) for a in expr.args), default=1.0)

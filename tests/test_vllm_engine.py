@@ -213,19 +213,33 @@ def prompts(tok, texts=("1+2=", "7*3=", "9-4=")):
     return [tok(t)["input_ids"] for t in texts]
 
 
-def hf_logp(model, rollout, temperature=T):
+def hf_logp(model, rollout, temperature=T, dtype=torch.float32):
     """The HF model's log softmax(logits / T) at every response position, [N, L, V]."""
     with torch.no_grad():
         logits = model(input_ids=rollout.sequences, attention_mask=rollout.attention_mask).logits
-    return torch.log_softmax(logits[:, rollout.prompt_len - 1 : -1].float() / temperature, -1)
+    return torch.log_softmax(logits[:, rollout.prompt_len - 1 : -1].to(dtype) / temperature, -1)
+
+
+def assert_logp_within_float32_noise(model, out, temperature=T):
+    """The engine's log-probs of its sampled tokens are the float32 HF model's to float32 rounding.
+    Both are compared with a float64 forward of the same weights, the exact numbers they round:
+    the engine's error is bounded by 4x the HF float32 forward's own largest error there, measured
+    on every vocabulary entry at the same positions. (Seen here: the engine and the HF float32
+    forward 1.1e-5 apart, which a fixed 1e-5 bound failed on; an engine holding other weights is
+    off by more than 1e-3.)"""
+    mask = out.response_mask
+    assert mask.any()
+    exact = hf_logp(copy.deepcopy(model).double(), out, temperature, torch.float64)
+    noise = (hf_logp(model, out, temperature).double() - exact)[mask].abs().max().item()
+    token_exact = exact.gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
+    engine_error = (out.sampling_logp.double() - token_exact)[mask].abs().max().item()
+    assert noise > 0 and engine_error <= 4 * noise, (engine_error, noise)
 
 
 def assert_matches_hf(model, out):
+    assert_logp_within_float32_noise(model, out)
     mask = out.response_mask
-    assert mask.any()
     logp = hf_logp(model, out)
-    token_logp = logp.gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(out.sampling_logp[mask], token_logp[mask], rtol=0, atol=1e-5)
     assert torch.equal(out.topk_ids.sort(-1).values[mask], logp.topk(K, -1).indices.sort(-1).values[mask])
     assert (out.sampling_logp[~mask] == 0).all()
 
@@ -458,12 +472,4 @@ def test_multiturn_episodes_through_vllm_mask_exactly_the_inserted_tokens(engine
     assert env.turns[0] and env.turns[0][0].endswith(stop)
     real = out.attention_mask[:, out.prompt_len :] == 1
     assert (real & ~out.response_mask).any() and (real & out.response_mask).any()  # both kinds occurred
-    assert_matches_hf_multiturn(base, out)
-
-
-def assert_matches_hf_multiturn(model, out):
-    """Sampled tokens of a multi-turn rollout still carry the HF policy's log-probs."""
-    logp = hf_logp(model, out, temperature=1.0)
-    token_logp = logp.gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
-    mask = out.response_mask
-    torch.testing.assert_close(out.sampling_logp[mask], token_logp[mask], rtol=0, atol=1e-5)
+    assert_logp_within_float32_noise(base, out, temperature=1.0)  # sampled tokens carry the policy's

@@ -93,7 +93,7 @@ def train_cell(name: str, overrides: list[str], out: Path) -> float:
 
 
 def train_all(cells: dict[str, list[str]], seeds: int, out: Path, jobs: int) -> None:
-    """Every cell on every seed (seed-major, so a partial grid has whole cells first)."""
+    """Every cell on every seed, seed-major: a partial grid holds every cell at its first seeds."""
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [
             pool.submit(train_cell, f"{name}-seed{seed}", [*overrides, f"train.seed={seed}"], out)
@@ -209,7 +209,13 @@ def main() -> None:
     parser.add_argument("--betas", type=float, nargs="+", default=BETAS)
     parser.add_argument("--anchors", nargs="+", default=list(ANCHORS), choices=list(ANCHORS))
     parser.add_argument("--estimators", nargs="+", default=ESTIMATORS, choices=ESTIMATORS)
-    parser.add_argument("--lr-factors", type=int, nargs="*", default=LR_FACTORS)
+    parser.add_argument(
+        "--lr-factors",
+        type=int,
+        nargs="*",
+        default=LR_FACTORS,
+        help="learning-rate multiples (none: no stress runs)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
     parser.add_argument("--out", type=Path, default=HERE / "frontier_runs")
     parser.add_argument(
@@ -252,13 +258,13 @@ def main() -> None:
     plot_frontier(panels, args.png, "drift: KL(policy || start) at the end", "final held-out accuracy")
     lr_rows = [cell_name(a, *best[a], 1) for a in args.anchors] + [cell_name("none", "", 0, 1)] + list(stress)
     command = " ".join(
-        ["python benchmarks/frontier.py", f"--seeds {args.seeds}", f"--steps {steps}"]
+        # overrides first: after a list option (--betas, --lr-factors) argparse would take them as its values
+        ["python benchmarks/frontier.py", *args.overrides, f"--seeds {args.seeds}", f"--steps {steps}"]
         + ([f"--jobs {args.jobs}"] if args.jobs > 1 else [])
         + ([f"--betas {' '.join(f'{b:g}' for b in args.betas)}"] if args.betas != BETAS else [])
         + ([f"--anchors {' '.join(args.anchors)}"] if args.anchors != list(ANCHORS) else [])
         + ([f"--estimators {' '.join(args.estimators)}"] if args.estimators != ESTIMATORS else [])
         + ([f"--lr-factors {' '.join(map(str, args.lr_factors))}"] if args.lr_factors != LR_FACTORS else [])
-        + args.overrides
     )
     text = (
         "## The stability frontier: the grid\n\n"
@@ -274,7 +280,11 @@ def main() -> None:
             paired_table(results, args.anchors, args.betas, args.estimators)
             or "(no frozen anchor in this grid)\n"
         )
-        + "\n### Learning-rate stress at each anchor's best cell (and without a KL)\n\n"
+        + (
+            "\n### Learning-rate stress at each anchor's best cell (and without a KL)\n\n"
+            if args.lr_factors
+            else "\n### Each anchor's best cell (and without a KL); no learning-rate stress was run\n\n"
+        )
         + table({name: results[name] for name in lr_rows})
     )
     write_block(args.results, text, owner="frontier.py")

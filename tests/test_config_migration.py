@@ -20,10 +20,11 @@ from test_paper_configs import placeholders
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = json.loads((Path(__file__).parent / "data" / "shipped_configs_before.json").read_text())
 # Fields added since, at the value that does what the previous build did (arithmetic's operators:
-# "+" was fixed; the policy-gradient menu's choices), and the dual clip verl applies (issue 30).
+# "+" was fixed; the policy-gradient menu's choices), the dual clip verl applies (issue 30), and
+# evaluation's additions (issues 27, 28), off unless set.
 NEW = {"task.ops": ["+"], "algo.loss": "ppo_clip", "algo.ratio_level": "token", "algo.dual_clip": 3.0,
        "algo.dynamic_sampling": False, "algo.max_sampling_rounds": 10, "algo.overlong_buffer": 0,
-       "algo.overlong_penalty": 1.0, "eval.anchor": "auto", "eval.kl": False}  # fmt: skip
+       "algo.overlong_penalty": 1.0, "eval.anchor": "auto", "eval.kl": False, "eval.datasets": []}  # fmt: skip
 
 
 def flat(config: dict) -> dict:

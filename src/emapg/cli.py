@@ -78,25 +78,26 @@ def _eval(args) -> None:
         raise EmapgError(
             "emapg eval: give --run RUN_DIR (a run's checkpoint), or --model DIR with --data FILE"
         )
-    from emapg.math_eval import MathEvalSettings, evaluate, table
     from emapg.settings import validated
-    from emapg.tasks.math import PROMPT
 
-    values = {
-        "n": args.n,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
-        "prompt": args.prompt or PROMPT,
-    }
-    options = {k: "--" + k.replace("_", "-") for k in values}  # a problem names the option
-    settings = validated(
-        MathEvalSettings, {**values, "chat_template": not args.no_chat_template}, "eval", options
-    )
-    results = evaluate(args.model, args.data, args.out, settings, dtype=args.dtype)
-    print(table(results), end="")
+    if args.protocol == "paper-search":
+        from emapg import search_eval as protocol
+
+        settings_class = protocol.SearchEvalSettings
+    else:
+        from emapg import math_eval as protocol
+
+        settings_class = protocol.MathEvalSettings
+    names = ["n", "temperature", "top_p", "max_new_tokens", "batch_size", "seed", "engine", "dtype",
+             "gpu_memory_utilization", "enforce_eager", "prompt", "retriever_url", "corpus", "topk", "max_turns"]  # fmt: skip
+    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    values = {**protocol.PROTOCOLS[args.protocol], **given, "chat_template": not args.no_chat_template}
+    options = {k: "--" + k.replace("_", "-") for k in names}  # a problem names the option
+    settings = validated(settings_class, values, "eval", options)
+    results = protocol.evaluate(args.model, args.data, args.out, settings, progress=not args.no_progress)
+    if not results:  # a process other than rank 0 under torchrun
+        return
+    print(protocol.table(results), end="")
     print(f"results: {Path(args.out) / 'results.json'}; responses: {Path(args.out) / 'responses.jsonl'}")
 
 
@@ -191,10 +192,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "eval",
         help="math accuracy and pass@k of a model on problem files (--model, --data), or a run's "
         "checkpoint on its held-out set as the run evaluated it (--run)",
-        description="Two modes. --model DIR --data FILE...: math problem files, sampled with the options "
-        "below (--n to --prompt). --run RUN_DIR [--step N] [--anchor]: the run's checkpoint on the run's "
-        "held-out set, sampled with the run's own eval section and seed: the run's eval/accuracy (with "
-        "--anchor eval/anchor/accuracy) at that step.",
+        description="Two modes. --model DIR --data FILE...: data files evaluated as the paper did "
+        "(--protocol, then the options below; resumable: rerun the same command after a kill; under "
+        "torchrun one process per GPU). --run RUN_DIR [--step N] [--anchor]: the run's checkpoint on the "
+        "run's held-out set, sampled with the run's own eval section and seed: the run's eval/accuracy "
+        "(with --anchor eval/anchor/accuracy) at that step.",
     )
     ev.add_argument(
         "--run", help="a run directory: evaluate its checkpoint with its config (eval section, seed)"
@@ -208,23 +210,43 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="with --run: a module to import first (the run's task, if a user's)",
     )  # fmt: skip
     ev.add_argument("--model", help="local model directory (safetensors, with tokenizer)")
-    ev.add_argument("--data", nargs="+", metavar="FILE", help=".jsonl/.json/.parquet math problem files")
-    ev.add_argument("--n", type=int, default=16, help="samples per problem (default 16)")
-    ev.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)")
-    ev.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
-    ev.add_argument("--max-new-tokens", type=int, default=3072, help="response length limit (default 3072)")
-    ev.add_argument("--batch-size", type=int, default=64, help="sequences per generate call (default 64)")
-    ev.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ev.add_argument(
+        "--data",
+        nargs="+",
+        metavar="FILE",
+        help="math problem files (.jsonl/.json/.parquet) or Search-R1 parquet",
+    )
+    ev.add_argument(
+        "--protocol", choices=["paper-math", "paper-search"], default="paper-math",
+        help="the paper's evaluation: paper-math (math files: n 32, temperature 0.8, top-p 0.9, 28000 "
+        "tokens, seed 429; avg@n, pass@k) or paper-search (Search-R1 parquet: greedy, top-3 passages, "
+        "4 rounds; EM, F1); an option given overrides the protocol's value",
+    )  # fmt: skip
+    ev.add_argument("--n", type=int, help="samples per problem")
+    ev.add_argument("--temperature", type=float, help="sampling temperature")
+    ev.add_argument("--top-p", type=float, help="nucleus sampling")
+    ev.add_argument(
+        "--max-new-tokens", type=int, help="response length limit (capped to the model's context)"
+    )
+    ev.add_argument("--seed", type=int, help="sampling seed")
+    ev.add_argument("--engine", choices=["hf", "vllm"], help="hf (default) or vllm (docs/vllm.md)")
+    ev.add_argument("--batch-size", type=int, help="hf: sequences per generate call (default 64)")
     ev.add_argument(
         "--dtype",
-        default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on a GPU, else float32",
     )
+    ev.add_argument("--gpu-memory-utilization", type=float, help="vllm: share of GPU memory (default 0.9)")
+    ev.add_argument("--enforce-eager", action="store_true", default=None, help="vllm: no CUDA graphs")
     ev.add_argument("--no-chat-template", action="store_true", help="plain prompts even if the model has one")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.add_argument(
-        "--prompt", help="prompt template with {question} (default: Qwen2.5-Math's \\boxed{} one)"
+        "--prompt", help="math: prompt template with {question} (default: Qwen2.5-Math's \\boxed{} one)"
     )
+    ev.add_argument("--retriever-url", help="search: a retrieval server, http://host:port/retrieve")
+    ev.add_argument("--corpus", help="search: a jsonl corpus to index with BM25 (instead of --retriever-url)")
+    ev.add_argument("--topk", type=int, help="search: passages per search (3)")
+    ev.add_argument("--max-turns", type=int, help="search: rounds with the retriever (4)")
     ev.add_argument("--out", default="runs/eval", help="directory for results.json and responses.jsonl")
     ev.set_defaults(func=_eval)
     rep = sub.add_parser(

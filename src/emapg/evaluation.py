@@ -16,7 +16,7 @@ from emapg import distributed
 from emapg.rewards import RewardScorer, Scored
 from emapg.rollout import Rollout, RolloutEngine, SamplingParams
 from emapg.rollout.multiturn import sample_examples
-from emapg.settings import Float, Section, check, setting
+from emapg.settings import Float, Section, check, existing_paths, setting
 from emapg.tasks.base import Example, Task
 
 
@@ -33,6 +33,11 @@ class EvalSettings(Section):
     anchor: Literal["auto"] | bool = setting(
         "auto", "also evaluate the anchor's weights (eval/anchor/accuracy); auto: with an EMA anchor"
     )
+    datasets: list[str] = setting(
+        [],
+        "math problem files (emapg eval's formats) also evaluated at each evaluation, with the engine and "
+        "sampling above: eval/<name>/accuracy and eval/<name>/pass@k (and the anchor's, with eval.anchor)",
+    )
     kl: bool = setting(
         False,
         "also log eval/drift_kl (to the initial weights, kept as a frozen copy) and eval/anchor_kl: "
@@ -41,6 +46,7 @@ class EvalSettings(Section):
 
     @model_validator(mode="after")
     def _kl_needs_samples(self):
+        existing_paths(self.datasets, "eval.datasets")
         check(
             not self.kl or (not self.greedy and self.top_p == 1),
             "eval.kl estimates KL(policy || reference) on the evaluation's own samples: it needs "

@@ -1,28 +1,30 @@
-"""`emapg eval`: math accuracy and pass@k of a model on problem files.
+"""`emapg eval`: math accuracy (avg@n) and pass@k of a model on problem files.
 
-Samples n responses per math problem, grades them, and reports accuracy and pass@k. Accuracy
-is pass@1 averaged over the n samples (what the paper reports); pass@k uses the unbiased
-estimator of Chen et al. (2021), 1 - C(n - c, k) / C(n, k) for c correct of n. Writes
-<out>/results.json (the figures) and <out>/responses.jsonl (every response).
+Samples n responses per math problem, grades them, and reports per dataset avg@n (the mean of
+the n samples' correctness, pass@1 averaged: what the paper reports as accuracy) and pass@k for
+k = 1, 2, 4, ..., n by the unbiased estimator of Chen et al. (2021), 1 - C(n - c, k) / C(n, k) for
+c correct of n, and their mean over the datasets. `--protocol paper-math` is the paper's protocol
+(PROTOCOLS); the engine is hf or vllm. Writes <out>/eval.json (what is evaluated),
+<out>/responses.jsonl (every response, as its chunk finishes: a killed evaluation resumes) and
+<out>/results.json (the figures).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
+from emapg import distributed, eval_files
 from emapg.errors import EmapgError
-from emapg.evaluation import sample_and_score
-from emapg.models import load_model_and_tokenizer
+from emapg.eval_files import Dataset, FileEvalSettings
+from emapg.evaluation import HeldOut
 from emapg.rewards import RewardScorer
-from emapg.rollout import SamplingParams, eos_ids
-from emapg.rollout.hf import HFEngine
-from emapg.settings import Float, Section, setting
+from emapg.settings import setting
+from emapg.tasks.base import Example
 from emapg.tasks.math import PROMPT, MathTask, PromptTemplate
-from emapg.tasks.math_data import load_problems
+from emapg.tasks.math_data import Problem, load_problems
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -60,92 +62,119 @@ def summarize(scores: list[list[float]], lengths: list[list[int]]) -> dict:
     }
 
 
-class MathEvalSettings(Section):
-    """`emapg eval`'s sampling (each field is the command's option of the same name)."""
+# The paper's math protocol (arXiv 2602.04417, as its evaluation scripts run): avg@32 and
+# unbiased pass@k of 32 samples per problem at temperature 0.8, top-p 0.9, up to 28,000 tokens.
+PROTOCOLS = {
+    "paper-math": {"n": 32, "temperature": 0.8, "top_p": 0.9, "max_new_tokens": 28000, "seed": 429},
+}
+# Problems in the usual files of the benchmarks the paper reports, by their names (lower case,
+# letters and digits only): a file of another size is truncated or another dataset.
+KNOWN_SIZES = {"aime24": 30, "aime2024": 30, "aime25": 30, "aime2025": 30, "amc23": 40, "amc2023": 40,
+               "math500": 500, "minerva": 272, "minervamath": 272, "olympiadbench": 675}  # fmt: skip
 
-    n: int = setting(16, "responses per problem", ge=1)
-    temperature: Float = setting(0.6, "sampling temperature", gt=0)
-    top_p: Float = setting(0.95, "nucleus sampling", gt=0, le=1)
-    max_new_tokens: int = setting(3072, "response length limit", ge=1)
-    batch_size: int = setting(64, "sequences per generate call", ge=1)
-    seed: int = setting(0, "seed of the sampling")
-    chat_template: bool = setting(True, "wrap prompts in the tokenizer's chat template")
+
+class MathEvalSettings(FileEvalSettings):
+    """`emapg eval` of math files (each field is the command's option of the same name)."""
+
     prompt: PromptTemplate = setting(PROMPT, "prompt template with {question}")
-    reward_timeout_s: Float = setting(10.0, "time limit of one grading call", gt=0)
+
+
+def check_size(name: str, problems: list[Problem], file: str) -> None:
+    """A benchmark named as one the paper reports must have its number of problems."""
+    known = KNOWN_SIZES.get("".join(c for c in name.lower() if c.isalnum()))
+    if known is not None and len(problems) != known:
+        raise EmapgError(
+            f"eval: {file} has {len(problems)} problems; {name} has {known} (a truncated or different file?)"
+        )
+
+
+def load_datasets(files: list[str], prompt: str = PROMPT) -> dict[str, Dataset]:
+    """Every file read and checked before any model loads, by name (the file's, or its folder's)."""
+    datasets = {}
+    for f in files:
+        problems = load_problems(f)
+        name = problems[0].source
+        if name in datasets:
+            raise EmapgError(f"eval: two data files are named {name!r}; rename one")
+        check_size(name, problems, f)
+        task = MathTask([], problems, prompt=prompt)
+        datasets[name] = Dataset(f, task, task.eval_examples())
+    return datasets
 
 
 def evaluate(
-    model_path: str, files: list[str], out_dir: str, settings: MathEvalSettings, *, dtype: str = "auto"
+    model_path: str, files: list[str], out_dir: str, settings: MathEvalSettings, *, progress: bool = True
 ) -> dict:
-    """Evaluate a local model on each data file; returns (and writes) the results."""
-    datasets = {}
-    for f in files:  # every file is read and checked before the model loads
-        problems = load_problems(f)
-        if problems[0].source in datasets:
-            raise EmapgError(f"eval: two data files are named {problems[0].source!r}; rename one")
-        datasets[problems[0].source] = (f, problems)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=getattr(torch, dtype))
-    model.to(device).eval()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Evaluate a local model on each math file (resumable, data-parallel: eval_files.run);
+    rank 0 returns (and writes to results.json) the figures, the other ranks {}."""
+    datasets = load_datasets(files, settings.prompt)
+    records = eval_files.run(model_path, datasets, out_dir, settings, progress=progress)
+    if records is None:
+        return {}
     results = {"model": model_path, "settings": settings.model_dump(), "datasets": {}}
-    torch.manual_seed(settings.seed)  # each data file's engine calls draw their seeds from here
-    with (out / "responses.jsonl").open("w") as log:
-        for name, (f, problems) in datasets.items():
-            task = MathTask([], problems, prompt=settings.prompt)
-            with RewardScorer(task, timeout_s=settings.reward_timeout_s) as scorer:
-                scores, lengths = _sample(model, tokenizer, task, scorer, settings, log)
-            results["datasets"][name] = {"file": f, **summarize(scores, lengths)}
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    for name, data in datasets.items():
+        mine = [r for r in records if r["dataset"] == name]
+        scores = [[r["score"] for r in mine if r["example"] == i] for i in range(len(data.examples))]
+        lengths = [[r["length"] for r in mine if r["example"] == i] for i in range(len(data.examples))]
+        results["datasets"][name] = {"file": data.file, **summarize(scores, lengths)}
+    if len(datasets) > 1:  # the mean over datasets (each weighs alike), as the paper's tables give it
+        figures = list(results["datasets"].values())
+        results["mean"] = {
+            "problems": sum(d["problems"] for d in figures),
+            "samples_per_problem": settings.n,
+            "accuracy": statistics.fmean(d["accuracy"] for d in figures),
+            "pass_at_k": {
+                k: statistics.fmean(d["pass_at_k"][k] for d in figures) for k in figures[0]["pass_at_k"]
+            },
+            "response_length_mean": statistics.fmean(d["response_length_mean"] for d in figures),
+        }
+    (Path(out_dir) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
-def _sample(model, tokenizer, task: MathTask, scorer: RewardScorer, s: MathEvalSettings, log):
-    """n graded responses per problem, written to `log` as they come; per-problem scores, lengths."""
-    examples = task.eval_examples()
-    engine, eos = HFEngine(model, tokenizer, batch_size=s.batch_size), eos_ids(model, tokenizer)
-    params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)
-    per_call = max(1, s.batch_size // s.n)  # problems per engine call
-    scores, lengths = [], []
-    for a in tqdm(range(0, len(examples), per_call), desc=examples[0].meta["source"], dynamic_ncols=True):
-        chunk = [e for e in examples[a : a + per_call] for _ in range(s.n)]
-        batch, scored = sample_and_score(
-            engine,
-            tokenizer,
-            task,
-            chunk,
-            scorer,
-            params,
-            chat_template=s.chat_template,
-            eos=eos,
-            rows=list(range(a * s.n, a * s.n + len(chunk))),
+@dataclass
+class ValidationSets:
+    """`eval.datasets`: math files a training run evaluates at each evaluation besides its task's
+    held-out set, graded by the math grader (`validation_metrics`)."""
+
+    task: MathTask
+    scorer: RewardScorer
+    examples: dict[str, list[Example]]  # by dataset name
+
+    @classmethod
+    def load(cls, files: list[str], prompt: str, timeout_s: float) -> ValidationSets | None:
+        if not files:
+            return None
+        datasets = load_datasets(files, prompt)
+        task = next(iter(datasets.values())).task  # grading reads the example alone: any will do
+        return cls(
+            task, RewardScorer(task, timeout_s=timeout_s), {n: d.examples for n, d in datasets.items()}
         )
-        rewards, tokens = scored.rewards, batch.response_mask.sum(1).tolist()
-        for i, (e, text) in enumerate(zip(chunk, batch.texts, strict=True)):
-            record = {
-                "dataset": e.meta["source"],
-                "problem": e.meta["index"],
-                "sample": i % s.n,
-                "reference": e.answer,
-                "response": text,
-                "score": rewards[i],
-                "length": tokens[i],
-            }
-            log.write(json.dumps(record) + "\n")
-        for p in range(0, len(chunk), s.n):
-            scores.append(rewards[p : p + s.n])
-            lengths.append(tokens[p : p + s.n])
-    return scores, lengths
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def validation_metrics(got: HeldOut, samples: int, prefix: str) -> dict:
+    """<prefix>accuracy (avg@samples) and <prefix>pass@k for k = 1, 2, 4, ... samples, over every
+    rank's rows of one validation set (`samples` consecutive rows per problem)."""
+    rewards = [r for part in distributed.all_gather(got.scored.rewards[: got.real]) for r in part]
+    correct = [sum(r == 1.0 for r in rewards[i : i + samples]) for i in range(0, len(rewards), samples)]
+    return {
+        f"{prefix}accuracy": statistics.fmean(rewards),
+        **{
+            f"{prefix}pass@{k}": statistics.fmean(pass_at_k(samples, c, k) for c in correct)
+            for k in ks(samples)
+        },
+    }
 
 
 def table(results: dict) -> str:
     """The results as a plain-text table, one row per dataset."""
     rows = results["datasets"]
     k_cols = list(next(iter(rows.values()))["pass_at_k"]) if rows else []
-    header = ["dataset", "problems", "accuracy", *(f"pass@{k}" for k in k_cols), "mean length (tokens)"]
+    n = next(iter(rows.values()))["samples_per_problem"] if rows else 1
+    header = ["dataset", "problems", f"avg@{n}", *(f"pass@{k}" for k in k_cols), "mean length (tokens)"]
     body = [
         [
             name,
@@ -154,7 +183,7 @@ def table(results: dict) -> str:
             *(f"{r['pass_at_k'][k]:.1%}" for k in k_cols),
             f"{r['response_length_mean']:.1f}",
         ]
-        for name, r in rows.items()
+        for name, r in [*rows.items(), *([("mean", results["mean"])] if "mean" in results else [])]
     ]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = [

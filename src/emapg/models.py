@@ -16,8 +16,10 @@ from pydantic import field_validator
 from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -160,16 +162,8 @@ def build_tiny_model(
     return model
 
 
-def load_model_and_tokenizer(
-    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local directory or the Hugging Face cache.
-
-    Never downloads (local_files_only) and never unpickles (safetensors weights only). Raises
-    ValueError with one line naming the path when it cannot be loaded.
-    """
-    path = str(path)
-    where = "directory" if os.path.isdir(path) else "Hugging Face cache entry"
+def _checked_path(path: str) -> str:
+    """Where `path` points ("directory" or "Hugging Face cache entry"), or one line on why nothing."""
     if not os.path.isdir(path) and not _in_hf_cache(path):
         raise EmapgError(
             f"model path {path!r}: expected a local model directory or a model in the Hugging Face "
@@ -177,12 +171,53 @@ def load_model_and_tokenizer(
         )
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise EmapgError(f"model path {path!r}: expected a model directory with a config.json")
+    return "directory" if os.path.isdir(path) else "Hugging Face cache entry"
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local model (directory or Hugging Face cache), with an EOS and a pad id."""
+    path = str(path)
+    where = _checked_path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise EmapgError(
             f"model path {path!r}: expected a tokenizer in this {where} ({_first_line(e)})"
         ) from None
+    if tokenizer.eos_token_id is None:
+        raise EmapgError(
+            f"model path {path!r}: the tokenizer has no eos_token; set one in tokenizer_config.json"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out, any id will do
+    return tokenizer
+
+
+class GenerationInfo:
+    """What sampling needs of a model without its weights (an engine that loads them itself):
+    its generation config (EOS ids) and its context length."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        path = str(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+        except OSError:  # no generation_config.json: the model config's own EOS
+            self.generation_config = GenerationConfig.from_model_config(config)
+        self.max_position_embeddings = getattr(config, "max_position_embeddings", None)
+
+
+def load_model_and_tokenizer(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local directory or the Hugging Face cache.
+
+    Never downloads (local_files_only) and never unpickles (safetensors weights only). Raises
+    EmapgError with one line naming the path when it cannot be loaded.
+    """
+    path = str(path)
+    tokenizer = load_tokenizer(path)
+    where = _checked_path(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, use_safetensors=True, dtype=dtype
@@ -192,12 +227,6 @@ def load_model_and_tokenizer(
             f"model path {path!r}: expected a causal LM with safetensors weights in this {where} "
             f"({_first_line(e)})"
         ) from None
-    if tokenizer.eos_token_id is None:
-        raise EmapgError(
-            f"model path {path!r}: the tokenizer has no eos_token; set one in tokenizer_config.json"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out, any id will do
     # Generation needs to know when a response ends and what to pad finished rows with.
     gen = model.generation_config
     if gen.pad_token_id is None:

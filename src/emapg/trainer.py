@@ -27,6 +27,7 @@ from emapg.dynamic_sampling import Round, uniform_groups
 from emapg.errors import EmapgError
 from emapg.evaluation import HeldOut, held_out
 from emapg.lora import AdapterAnchor
+from emapg.math_eval import ValidationSets, validation_metrics
 from emapg.metrics import MetricsLog, PhaseTimer
 from emapg.models import checkpoint_activations, load_model_and_tokenizer, pin_cpu_kernels
 from emapg.optim import make_optimizer
@@ -36,6 +37,7 @@ from emapg.rollout import Rollout, RolloutEngine, SamplingParams, eos_ids, make_
 from emapg.rollout.multiturn import sample_examples
 from emapg.tasks import make_task, warm_start_recipe
 from emapg.tasks.base import Example, Task
+from emapg.tasks.math import PROMPT
 from emapg.update import anchor_pass, old_policy, response_logp, update
 
 
@@ -192,11 +194,29 @@ def evaluate(run: Run, step: int) -> tuple[float, dict]:
         **task_metrics(run.task, texts, mine, "eval/"),
         **(eval_kls(run, got) if cfg.eval.kl else {}),
     }
+    metrics |= validate(run, "eval/")
     if cfg.evaluates_anchor:
         with run.anchor.active() as anchor_model:
             run.engine.sync_weights(anchor_model, ("anchor", run.state.optimizer_steps))
             metrics["eval/anchor/accuracy"] = _held_out(run).accuracy
+            metrics |= validate(run, "eval/anchor/")
     return got.accuracy, metrics
+
+
+def validate(run: Run, prefix: str) -> dict:
+    """eval.datasets with the weights the engine holds: <prefix><name>/accuracy and pass@k."""
+    if run.validation is None:
+        return {}
+    cfg, sets = run.cfg, run.validation
+    n = 1 if cfg.eval.greedy else cfg.eval.samples
+    out = {}
+    for name, examples in sets.examples.items():
+        got = held_out(
+            run.engine, run.tokenizer, sets.task, examples, sets.scorer, eval_params(cfg), samples=n,
+            chat_template=cfg.model.chat_template, eos=run.eos,
+        )  # fmt: skip
+        out |= validation_metrics(got, n, f"{prefix}{name}/")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,6 +299,7 @@ class Run:
     scorer: RewardScorer
     anchor: Anchor | AdapterAnchor | None
     initial: Anchor | AdapterAnchor | None  # the policy's initial weights, for eval.kl's drift
+    validation: ValidationSets | None  # eval.datasets
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
@@ -323,6 +344,8 @@ class Run:
         if self.log:
             self.log.close()
         self.scorer.close()
+        if self.validation is not None:
+            self.validation.close()
         self.engine.close()
 
 
@@ -376,8 +399,12 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     if not eval_examples:
         raise EmapgError(f"task {task.name!r} has no evaluation examples")
     scorer = RewardScorer(task, timeout_s=cfg.task.reward_timeout_s, isolation=cfg.task.reward_isolation)
+    validation = ValidationSets.load(cfg.eval.datasets, getattr(cfg.task, "prompt", "") or PROMPT,
+                                     cfg.task.reward_timeout_s)  # fmt: skip
     model, tokenizer, model_dir = load_policy(cfg, task, cfg.train.progress and distributed.is_main())
     check_context(cfg, model, tokenizer, train_examples + eval_examples, task)
+    if validation is not None:
+        check_context(cfg, model, tokenizer, [e for v in validation.examples.values() for e in v])
     engine = make_engine(cfg, model, tokenizer, model_dir)  # a missing vLLM stops here, before training
     if cfg.lora.r:  # the base is frozen; the engine's model carries the adapters from here on
         model = lora.wrap(model, cfg.lora)
@@ -406,6 +433,7 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
         scorer=scorer,
         anchor=anchor,
         initial=initial,
+        validation=validation,
         optimizer=optimizer,
         scheduler=scheduler,
         sampler=PromptSampler(train_examples, cfg.train.seed),

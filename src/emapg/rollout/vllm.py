@@ -301,6 +301,9 @@ class VllmEngine:
                 max_logprobs=max(max_logprobs, 1),
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=enable_prefix_caching,
+                # vLLM 0.32 on CPU fails ("CPU Generator does not use offset") when a seeded
+                # request's prompt is prefilled over several steps: on CPU, whole prompts only.
+                enable_chunked_prefill=not current_platform.is_cpu(),
                 enforce_eager=enforce_eager,
                 max_model_len=max_model_len,
                 enable_sleep_mode=self.can_sleep,

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -50,19 +51,25 @@ PROBLEMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def boxed_model_dir(tmp_path_factory):
-    """A tiny model taught to answer the three problems with "\\boxed{...}", often but not always right."""
-    path = tmp_path_factory.mktemp("boxed-model")
-    data = path / "three.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
-    task = MathTask(load_problems(data), [])
+def boxed_model(path: Path, name: str, copies: int, steps: int) -> tuple[Path, Path]:
+    """(model dir, data file) in `path`: a tiny model (heads 32 wide, as vLLM's CPU kernel needs)
+    taught for `steps` SFT steps to answer PROBLEMS with "\\boxed{...}", and `name`.jsonl holding
+    `copies` copies of PROBLEMS (the dataset `name` in eval's figures)."""
+    data = path / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS * copies))
+    task = MathTask(load_problems(data)[: len(PROBLEMS)], [])
     tokenizer = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     model = build_tiny_model(tokenizer, max_position_embeddings=192, seed=0)
-    sft(model, tokenizer, warm_start(task).examples, steps=40, batch_size=3, lr=3e-3, progress=False)
+    sft(model, tokenizer, warm_start(task).examples, steps=steps, batch_size=3, lr=3e-3, progress=False)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path, data
+
+
+@pytest.fixture(scope="module")
+def boxed_model_dir(tmp_path_factory):
+    """A tiny model taught to answer the three problems with "\\boxed{...}", often but not always right."""
+    return boxed_model(tmp_path_factory.mktemp("boxed-model"), "three", copies=1, steps=40)
 
 
 def test_eval_end_to_end_figures_match_the_responses(boxed_model_dir, tmp_path, capsys):

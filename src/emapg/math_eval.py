@@ -49,15 +49,21 @@ def ks(n: int) -> list[int]:
     return out if out[-1] == n else [*out, n]
 
 
+def pass_at_ks(scores: list[list[float]]) -> dict[str, float]:
+    """pass@k for k in ks(n), averaged over problems, from per-problem lists of n scores (1.0 = correct)."""
+    n = len(scores[0])
+    correct = [sum(s == 1.0 for s in row) for row in scores]
+    return {str(k): sum(pass_at_k(n, c, k) for c in correct) / len(scores) for k in ks(n)}
+
+
 def summarize(scores: list[list[float]], lengths: list[list[int]]) -> dict:
     """Figures of one dataset from per-problem lists of n scores (1.0 = correct) and lengths."""
     n = len(scores[0])
-    correct = [sum(s == 1.0 for s in row) for row in scores]
     return {
         "problems": len(scores),
         "samples_per_problem": n,
-        "accuracy": sum(correct) / (n * len(scores)),
-        "pass_at_k": {str(k): sum(pass_at_k(n, c, k) for c in correct) / len(scores) for k in ks(n)},
+        "accuracy": sum(s == 1.0 for row in scores for s in row) / (n * len(scores)),
+        "pass_at_k": pass_at_ks(scores),
         "response_length_mean": sum(map(sum, lengths)) / (n * len(lengths)),
     }
 
@@ -112,11 +118,13 @@ def evaluate(
     if records is None:
         return {}
     results = {"model": model_path, "settings": settings.model_dump(), "datasets": {}}
+    scores = {name: [[] for _ in data.examples] for name, data in datasets.items()}
+    lengths = {name: [[] for _ in data.examples] for name, data in datasets.items()}
+    for r in records:  # in row order: each problem's samples in order
+        scores[r["dataset"]][r["example"]].append(r["score"])
+        lengths[r["dataset"]][r["example"]].append(r["length"])
     for name, data in datasets.items():
-        mine = [r for r in records if r["dataset"] == name]
-        scores = [[r["score"] for r in mine if r["example"] == i] for i in range(len(data.examples))]
-        lengths = [[r["length"] for r in mine if r["example"] == i] for i in range(len(data.examples))]
-        results["datasets"][name] = {"file": data.file, **summarize(scores, lengths)}
+        results["datasets"][name] = {"file": data.file, **summarize(scores[name], lengths[name])}
     if len(datasets) > 1:  # the mean over datasets (each weighs alike), as the paper's tables give it
         figures = list(results["datasets"].values())
         results["mean"] = {
@@ -159,13 +167,10 @@ def validation_metrics(got: HeldOut, samples: int, prefix: str) -> dict:
     """<prefix>accuracy (avg@samples) and <prefix>pass@k for k = 1, 2, 4, ... samples, over every
     rank's rows of one validation set (`samples` consecutive rows per problem)."""
     rewards = [r for part in distributed.all_gather(got.scored.rewards[: got.real]) for r in part]
-    correct = [sum(r == 1.0 for r in rewards[i : i + samples]) for i in range(0, len(rewards), samples)]
+    per_problem = [rewards[i : i + samples] for i in range(0, len(rewards), samples)]
     return {
         f"{prefix}accuracy": statistics.fmean(rewards),
-        **{
-            f"{prefix}pass@{k}": statistics.fmean(pass_at_k(samples, c, k) for c in correct)
-            for k in ks(samples)
-        },
+        **{f"{prefix}pass@{k}": v for k, v in pass_at_ks(per_problem).items()},
     }
 
 
@@ -185,11 +190,4 @@ def table(results: dict) -> str:
         ]
         for name, r in [*rows.items(), *([("mean", results["mean"])] if "mean" in results else [])]
     ]
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in [header, *body]
-    ]
-    return "\n".join(lines) + "\n"
+    return eval_files.text_table(header, body)

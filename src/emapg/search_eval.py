@@ -112,11 +112,4 @@ def table(results: dict) -> str:
     rows = [*results["datasets"].items(), *([("mean", results["mean"])] if "mean" in results else [])]
     body = [[name, str(r["questions"]), f"{r['exact_match']:.1%}", f"{r['f1']:.1%}", f"{r['searches_mean']:.2f}",
              f"{r['response_length_mean']:.1f}"] for name, r in rows]  # fmt: skip
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    return "".join(
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-        + "\n"
-        for row in [header, *body]
-    )
+    return eval_files.text_table(header, body)

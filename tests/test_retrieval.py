@@ -1,14 +1,17 @@
-"""Retrieval at wiki scale: the client splits batches, the server's limit, the streamed BM25 index."""
+"""Retrieval at wiki scale: the client splits batches, the server's limits and back-pressure under
+load, the tantivy BM25 index against a BM25 computed here."""
 
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-import bm25s
 import numpy as np
 import pytest
 
@@ -16,9 +19,10 @@ import emapg
 from emapg.cli import main
 from emapg.config import load_config
 from emapg.errors import EmapgError
-from emapg.search import retriever as retriever_module
-from emapg.search.retriever import BM25Retriever, HttpRetriever, build_index
-from emapg.search.server import MAX_QUERIES, make_server
+from emapg.search import bm25 as bm25_module
+from emapg.search.bm25 import BM25Retriever
+from emapg.search.retriever import HttpRetriever
+from emapg.search.server import MAX_QUERIES, MAX_QUERY_CHARS, body_cap, make_server
 from emapg.search.world import build_world, write_corpus
 
 
@@ -101,7 +105,7 @@ def test_server_refuses_more_queries_than_its_limit_with_413(world_corpus):
             HttpRetriever(url, max_queries=5000).retrieve(_queries(w, 5000), 1)
         message = str(e.value)
         assert "\n" not in message and "HTTP 413" in message
-        assert f"at most {MAX_QUERIES} queries per request, got 5000" in message
+        assert f"5000 queries; limits: {MAX_QUERIES} queries per request (--max-queries)" in message
         assert "task.max_queries_per_request" in message
         assert counting.sizes == []  # refused before retrieving anything
     finally:
@@ -114,7 +118,7 @@ def test_max_queries_settings_are_checked(tmp_path, capsys):
     ):
         load_config("search_tiny", ["task.max_queries_per_request=0"])
     assert load_config("search_tiny", []).task.max_queries_per_request <= MAX_QUERIES
-    with pytest.raises(EmapgError, match="max_queries must be >= 1"):
+    with pytest.raises(EmapgError, match="max_queries and max_query_chars must be >= 1"):
         HttpRetriever("http://127.0.0.1:1/retrieve", max_queries=0)
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": 0, "contents": "a\\nb"}\n')
@@ -122,12 +126,12 @@ def test_max_queries_settings_are_checked(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "emapg: error: --max-queries 0: expected >= 1"
 
 
-# --- the streamed index ----------------------------------------------------------------------------
+# --- the BM25 index ----------------------------------------------------------------------------
 
 
 def _random_corpus(path: Path, n: int = 1500, seed: int = 0) -> list[dict]:
-    """Documents with repeated words, stopwords, empty texts, non-ASCII text, blank lines and
-    a CRLF line; returns them as bm25s's reference sees them."""
+    """Documents of at most 32 terms with repeated words, stopwords, empty texts, non-ASCII
+    text, blank lines and a CRLF line; returns them as the reference sees them."""
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(200)] + ["the", "of", "a", "Paris", "café", "naïve", "x"]
     docs, lines = [], []
@@ -143,29 +147,60 @@ def _random_corpus(path: Path, n: int = 1500, seed: int = 0) -> list[dict]:
     return docs
 
 
-@pytest.mark.parametrize("buckets", [None, 7])
-def test_streamed_bm25_equals_bm25s_in_memory(tmp_path, buckets):
-    """The streamed index gives the documents and scores (bit for bit) of bm25s's own in-memory
-    index of the same corpus, which is how it was built before."""
+def _bm25_reference(docs: list[dict], queries: list[str], k: int) -> list[list[tuple[int, float]]]:
+    """BM25 as tantivy scores it, by enumeration over every document: Lucene's idf,
+    idf * (1 + k1) * tf / (tf + k1 * (1 - b + b * len / avg_len)), k1 1.2, b 0.75, over bm25s's
+    analysis; ties by row. Exact for documents of at most 40 terms, whose lengths tantivy stores
+    exactly (longer ones it rounds to one byte, as Lucene does)."""
+    import re
+    from collections import Counter
+
+    from bm25s.stopwords import STOPWORDS_EN
+
+    stop = set(STOPWORDS_EN)
+
+    def terms(text):
+        return [t for t in re.findall(r"(?u)\b\w\w+\b", text.lower()) if t not in stop]
+
+    tfs = [Counter(terms(d["contents"])) for d in docs]
+    lengths = np.array([sum(tf.values()) for tf in tfs], np.float64)
+    n, avg = len(docs), lengths.mean()
+    df = Counter(t for tf in tfs for t in tf)
+    out = []
+    for q in queries:
+        scores = np.zeros(n)
+        for t in terms(q):
+            if df[t]:
+                idf = np.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5))
+                tf = np.array([f[t] for f in tfs], np.float64)
+                scores += idf * 2.2 * tf / (tf + 1.2 * (0.25 + 0.75 * lengths / avg))
+        ranked = sorted((i for i in range(n) if scores[i] > 0), key=lambda i: (-scores[i], i))
+        out.append([(i, scores[i]) for i in ranked[:k]])
+    return out
+
+
+def test_bm25_ranks_and_scores_as_the_reference_computed_here(tmp_path):
+    """Every query's top 5 (rows, ties by row) and scores equal a BM25 enumerated in the test.
+    Score tolerance from float32 arithmetic, which tantivy scores in: each operation rounds by
+    2^-24 relative (a few operations per term: 1e-5 relative covers them), and the idf,
+    ln(1 + x), loses 2^-24 absolute in rounding 1 + x, which is large relative to the idf of a
+    term in nearly every document: (1 + k1) * 2^-24 absolute per query term."""
     corpus = tmp_path / "corpus.jsonl"
     docs = _random_corpus(corpus)
-    if buckets:  # several term buckets, as on a large corpus
-        build_index(corpus, corpus.with_name("corpus.jsonl.bm25"), buckets=buckets)
-    streamed = BM25Retriever(corpus)
-    reference = bm25s.BM25()
-    reference.index(retriever_module._tokenize([d["contents"] for d in docs]), show_progress=False)
+    r = BM25Retriever(corpus)
     rng = random.Random(1)
     words = [f"w{i}" for i in range(200)] + ["paris", "CAFÉ", "naïve", "title", "unknown"]
     queries = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 4))) for _ in range(200)]
-    queries += ["the of a", "", "Title 7"]
-    ids, scores = reference.retrieve(
-        retriever_module._tokenize(queries), k=5, show_progress=False, n_threads=1
-    )
-    got = streamed.retrieve_scored(queries, 5)
-    for row, ref_ids, ref_scores in zip(got, ids, scores, strict=True):
-        assert [d for d, _ in row] == [docs[i] for i in ref_ids]
-        assert np.array_equal(np.float32([s for _, s in row]), ref_scores)
-    assert len(streamed.docs) == len(docs)
+    queries += ["the of a", "", "Title 7", "w1 w1 w2"]
+    reference = _bm25_reference(docs, queries, 5)
+    for q, ref in zip(queries, reference, strict=True):
+        got = r.search(q, 5)
+        assert [row for row, _ in got] == [row for row, _ in ref], q
+        atol = len(q.split()) * 2.2 * 2.0**-24
+        np.testing.assert_allclose([s for _, s in got], [s for _, s in ref], rtol=1e-5, atol=atol)
+    top = r.retrieve_scored([queries[0]], 3)[0]
+    assert [d for d, _ in top] == [docs[row] for row, _ in reference[0][:3]]
+    assert len(r.docs) == len(docs)
 
 
 def test_index_is_rebuilt_when_the_corpus_changes_and_reused_when_not(tmp_path, monkeypatch):
@@ -174,8 +209,8 @@ def test_index_is_rebuilt_when_the_corpus_changes_and_reused_when_not(tmp_path, 
         '{"id": "a", "contents": "Alpha\\nred fox"}\n{"id": "b", "contents": "Beta\\nblue owl"}\n'
     )
     builds = []
-    real = retriever_module.build_index
-    monkeypatch.setattr(retriever_module, "build_index", lambda *a, **k: builds.append(1) or real(*a, **k))
+    real = bm25_module.build_index
+    monkeypatch.setattr(bm25_module, "build_index", lambda *a, **k: builds.append(1) or real(*a, **k))
     assert BM25Retriever(corpus).retrieve(["fox"], 1)[0][0]["id"] == "a" and len(builds) == 1
     BM25Retriever(corpus)
     assert len(builds) == 1  # same size and mtime: reused without hashing
@@ -185,7 +220,10 @@ def test_index_is_rebuilt_when_the_corpus_changes_and_reused_when_not(tmp_path, 
     assert len(builds) == 1  # touched, same bytes: the hash matches, reused
     corpus.write_text(corpus.read_text().replace("red fox", "red owl"))  # same size, new bytes
     os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
-    assert BM25Retriever(corpus).retrieve(["fox"], 1)[0][0]["contents"] != "Alpha\nred fox"
+    assert BM25Retriever(corpus).retrieve(["fox", "owl"], 1) == [
+        [],
+        [{"id": "a", "contents": "Alpha\nred owl"}],
+    ]
     assert len(builds) == 2
     with corpus.open("a") as f:
         f.write('{"id": "c", "contents": "Gamma\\ngreen fox"}\n')
@@ -194,7 +232,6 @@ def test_index_is_rebuilt_when_the_corpus_changes_and_reused_when_not(tmp_path, 
     assert r.retrieve(["fox"], 1)[0][0] == {"id": "c", "contents": "Gamma\ngreen fox"}
     meta = json.loads((r.index_dir / "meta.json").read_text())
     assert meta["num_docs"] == 3 and meta["size"] == corpus.stat().st_size
-    assert not (r.index_dir / "scratch").exists()
 
 
 def test_a_document_read_by_offset_is_exactly_its_line(tmp_path):
@@ -215,3 +252,150 @@ def test_bad_corpus_lines_are_one_line_errors(tmp_path):
     corpus.write_text("\n\n")
     with pytest.raises(EmapgError, match="has no documents"):
         BM25Retriever(corpus)
+
+
+# --- the server under load ------------------------------------------------------------------------
+
+
+def _post(url: str, payload, method: str = "POST"):
+    body = json.dumps(payload).encode() if payload is not None else None
+    request = urllib.request.Request(
+        url, data=body, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_four_clients_with_the_papers_batch_at_once_each_get_their_own_answers(world_corpus):
+    """4 clients x 2,560 queries (the paper's batch) at once: every answer whole, in its
+    request's order, and equal to the answer of the same queries asked alone."""
+    w, _, local = world_corpus
+    srv, url = _serve(local)
+    try:
+        batches = [_queries(w, 2560)[c:] + _queries(w, c) for c in range(0, 400, 100)]  # each its own order
+        expected = [local.retrieve(b, 3) for b in batches]
+        got: list = [None] * 4
+
+        def client(c):
+            got[c] = HttpRetriever(url, max_queries=2560).retrieve(batches[c], 3)
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got == expected
+    finally:
+        srv.shutdown()
+
+
+class Gate:
+    """A retriever that holds every request until the test opens the gate."""
+
+    def __init__(self, inner):
+        self.inner, self.open, self.entered = inner, threading.Event(), threading.Event()
+
+    def retrieve_scored(self, queries, topk):
+        self.entered.set()
+        self.open.wait(timeout=30)
+        return self.inner.retrieve_scored(queries, topk)
+
+
+def test_past_the_pending_limit_a_503_and_the_clients_retry_gets_the_answer_once_it_drains(world_corpus):
+    w, _, local = world_corpus
+    gate = Gate(local)
+    srv, url = _serve(gate, max_pending=1)
+    try:
+        first: list = []
+        holder = threading.Thread(target=lambda: first.append(HttpRetriever(url).retrieve(["a b"], 1)))
+        holder.start()
+        assert gate.entered.wait(timeout=10)  # the one admitted request is in progress
+        status, headers, data = _post(url, {"queries": ["x"] * 2000, "topk": 3})
+        assert status == 503 and headers["Retry-After"] == "1" and "--max-pending" in data["error"]
+        queries = _queries(w, 50)
+        threading.Timer(1.5, gate.open.set).start()  # the queue drains while the client retries
+        assert HttpRetriever(url, busy_timeout_s=30).retrieve(queries, 2) == local.retrieve(queries, 2)
+        holder.join(timeout=10)
+        assert first == [local.retrieve(["a b"], 1)]
+    finally:
+        gate.open.set()
+        srv.shutdown()
+
+
+def test_a_server_busy_past_the_clients_deadline_stops_the_run_with_one_line(world_corpus):
+    gate = Gate(world_corpus[2])
+    srv, url = _serve(gate, max_pending=1)
+    try:
+        threading.Thread(target=lambda: HttpRetriever(url).retrieve(["a"], 1), daemon=True).start()
+        assert gate.entered.wait(timeout=10)
+        with pytest.raises(EmapgError) as e:
+            HttpRetriever(url, busy_timeout_s=0.5).retrieve(["b"], 1)
+        message = str(e.value)
+        assert (
+            "\n" not in message
+            and "still busy (HTTP 503)" in message
+            and "task.busy_timeout_s 0.5" in message
+        )
+    finally:
+        gate.open.set()
+        srv.shutdown()
+
+
+def test_long_and_escaped_queries_within_the_limits_are_answered(world_corpus):
+    """Search-R1's client sends the whole batch in one request and reads response.json()['result']:
+    2,560 queries of 420 characters (1.04 MiB of JSON) or of 70 Chinese characters (JSON-escaped,
+    six bytes each), once refused by a 1 MiB body cap, are answered."""
+    w, _, local = world_corpus
+    srv, url = _serve(local)
+    try:
+        long = [(q + " ") * 60 for q in _queries(w, 2560)]
+        long = [q[:420] for q in long]
+        chinese = ["北京上海广州深圳" * 9][0][:70]
+        for queries in (long, [chinese] * 2560, ["𝔘" * MAX_QUERY_CHARS] * 4):  # the last: 12 bytes each
+            status, _, data = _post(url, {"queries": queries, "topk": 3, "return_scores": True})
+            assert status == 200 and len(data["result"]) == len(queries)
+        assert len(json.dumps({"queries": long}).encode()) > 1 << 20
+        assert data["result"][0] == []  # no term of the corpus in it: no passage
+        assert HttpRetriever(url, max_queries=2560).retrieve(long, 3) == local.retrieve(long, 3)
+    finally:
+        srv.shutdown()
+
+
+def test_a_query_over_the_length_cap_gets_413_naming_both_limits(world_corpus):
+    srv, url = _serve(world_corpus[2], max_queries=10, max_query_chars=50)
+    try:
+        status, _, data = _post(url, {"queries": ["a", "b" * 51], "topk": 3})
+        assert status == 413
+        assert data["error"] == (
+            "query 1 has 51 characters; limits: 10 queries per request (--max-queries), "
+            "50 characters per query (--max-query-chars)"
+        )
+        cap = body_cap(10, 50)
+        assert cap >= len(json.dumps({"queries": ["𝔘" * 50] * 10, "topk": 100, "return_scores": False}))
+        # the client cuts its queries to the server's cap instead
+        assert HttpRetriever(url, max_query_chars=50).retrieve(["b" * 51], 1) == [[]]
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_other_methods_get_405_and_every_error_is_json(world_corpus, method):
+    srv, url = _serve(world_corpus[2])
+    try:
+        status, headers, data = _post(url, None, method)
+        assert (
+            status == 405
+            and headers["Allow"] == "POST"
+            and data == {"error": f"{method} /retrieve: use POST"}
+        )
+        status, _, data = _post(url.replace("/retrieve", "/search"), None, method)
+        assert status == 404 and "POST /retrieve" in data["error"]
+        with socket.create_connection(srv.server_address[:2], timeout=5) as s:  # not HTTP at all
+            s.sendall(b"NONSENSE\r\n\r\n")
+            reply = s.recv(4096).decode()  # an HTTP/0.9 answer: the body alone
+        assert json.loads(reply) == {"error": "Bad request syntax ('NONSENSE')"}
+    finally:
+        srv.shutdown()

@@ -28,9 +28,10 @@ from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.multiturn import run_episodes
 from emapg.search.answers import INVALID_ACTION, exact_match, f1, last_tag, normalize_answer, turn_action
+from emapg.search.bm25 import BM25Retriever
 from emapg.search.environment import SearchEnvironment, information_block
-from emapg.search.retriever import BM25Retriever, HttpRetriever, format_information
-from emapg.search.server import make_server
+from emapg.search.retriever import HttpRetriever, format_information
+from emapg.search.server import MAX_QUERIES, MAX_QUERY_CHARS, body_cap, make_server
 from emapg.search.world import build_world, questions, write_corpus
 from emapg.sft import IGNORE_INDEX, sft_batch
 from emapg.tasks.base import Example
@@ -192,10 +193,14 @@ def test_oversized_body_is_refused_before_reading(server):
     u = urlparse(server)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=5)
     conn.putrequest("POST", u.path)
-    conn.putheader("Content-Length", str(2 << 20))
+    cap = body_cap(MAX_QUERIES, MAX_QUERY_CHARS)
+    conn.putheader("Content-Length", str(cap + 1))
     conn.endheaders()
     response = conn.getresponse()
-    assert response.status == 413 and "at most 1048576" in json.loads(response.read())["error"]
+    error = json.loads(response.read())["error"]
+    assert response.status == 413 and f"body of {cap + 1} bytes; at most {cap}" in error
+    assert f"{MAX_QUERIES} queries per request (--max-queries)" in error
+    assert f"{MAX_QUERY_CHARS} characters per query (--max-query-chars)" in error
     conn.close()
 
 

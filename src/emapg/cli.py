@@ -125,16 +125,19 @@ def _report(args) -> None:
 
 
 def _serve_retriever(args) -> None:
-    from emapg.search.retriever import BM25Retriever
+    from emapg.search.bm25 import BM25Retriever
     from emapg.search.server import make_server
 
     if not 0 <= args.port <= 65535:
         raise EmapgError(f"--port {args.port}: expected 0..65535")
-    if args.max_queries < 1:
-        raise EmapgError(f"--max-queries {args.max_queries}: expected >= 1")
+    for flag in ("max_queries", "max_query_chars", "max_pending"):
+        if getattr(args, flag) < 1:
+            raise EmapgError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1")
     retriever = BM25Retriever(args.corpus)
     try:
-        server = make_server(retriever, args.host, args.port, args.max_queries)
+        server = make_server(
+            retriever, args.host, args.port, args.max_queries, args.max_query_chars, args.max_pending
+        )
     except OSError as e:
         raise EmapgError(
             f"serve-retriever: cannot listen on {args.host}:{args.port} ({e.strerror})"
@@ -165,7 +168,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The command line; every field's help goes into `emapg train --help` (built only when the
     command is train: it imports every part's settings)."""
-    from emapg.search.server import MAX_QUERIES
+    from emapg.search.server import MAX_PENDING, MAX_QUERIES, MAX_QUERY_CHARS
 
     parser = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -268,6 +271,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=int,
         default=MAX_QUERIES,
         help=f"most queries per request; more get HTTP 413 (default {MAX_QUERIES})",
+    )
+    srv.add_argument(
+        "--max-query-chars",
+        type=int,
+        default=MAX_QUERY_CHARS,
+        help=f"most characters per query; longer get HTTP 413 (default {MAX_QUERY_CHARS})",
+    )
+    srv.add_argument(
+        "--max-pending",
+        type=int,
+        default=MAX_PENDING,
+        help=f"requests admitted at once; one more gets HTTP 503 with Retry-After (default {MAX_PENDING})",
     )
     srv.set_defaults(func=_serve_retriever)
     return parser

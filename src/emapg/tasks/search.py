@@ -114,6 +114,15 @@ class SearchSettings(ProblemSettings):
         "(emapg serve-retriever accepts 4096 by default: --max-queries)",
         ge=1,
     )
+    max_query_chars: int = setting(
+        1000,
+        "queries sent to task.url are cut to this many characters "
+        "(emapg serve-retriever refuses longer ones by default: --max-query-chars)",
+        ge=1,
+    )
+    busy_timeout_s: float = setting(
+        600.0, "a busy retrieval server (HTTP 503) is retried for this long, then the run stops", gt=0
+    )
     topk: int = setting(3, "passages returned per query", ge=1)
     max_turns: int = setting(
         4, "rounds with the environment (search or invalid-action message), then one final turn", ge=1
@@ -236,7 +245,9 @@ def from_config(cfg) -> SearchTask:
     }
     if t.train_file:
         train, eval = load_parquet(t.train_file), load_parquet(t.eval_file)
-        retriever = make_retriever(t.corpus, t.url, t.max_queries_per_request)
+        retriever = make_retriever(
+            t.corpus, t.url, t.max_queries_per_request, t.max_query_chars, t.busy_timeout_s
+        )
         return SearchTask(
             retriever, train[: t.num_train], eval[: t.num_eval], instruction=INSTRUCTION, **episodes
         )
@@ -250,7 +261,9 @@ def from_config(cfg) -> SearchTask:
         / f"search-world-{t.seed}-{t.world_people}-{t.world_cities}"
     )
     corpus = synthetic.write_corpus(world, where / "corpus.jsonl")
-    retriever = make_retriever(str(corpus), t.url, t.max_queries_per_request)
+    retriever = make_retriever(
+        str(corpus), t.url, t.max_queries_per_request, t.max_query_chars, t.busy_timeout_s
+    )
     return SearchTask(
         retriever, rows[t.num_eval :][: t.num_train], rows[: t.num_eval], world=world, **episodes
     )

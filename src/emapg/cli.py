@@ -1,4 +1,4 @@
-"""Command line: emapg train | eval | sft | report | serve-retriever."""
+"""Command line: emapg train | eval | sft | report | build-index | serve-retriever."""
 
 from __future__ import annotations
 
@@ -124,8 +124,46 @@ def _report(args) -> None:
     print(f"curves: {args.out}; table: {Path(args.out).with_suffix('.md')}")
 
 
+def _encoder_settings(args, default_from_index: bool = False):
+    """The encoder flags as settings; None where none was given and the index says them."""
+    from emapg.search.dense import EncoderSettings
+
+    given = {k: getattr(args, k) for k in ("query_prefix", "passage_prefix", "pooling", "max_length",
+                                            "batch_size") if getattr(args, k) is not None}  # fmt: skip
+    for flag in ("max_length", "batch_size"):
+        if given.get(flag, 1) < 1:
+            raise EmapgError(f"--{flag.replace('_', '-')} {given[flag]}: expected >= 1")
+    if not given and default_from_index:
+        return None
+    return EncoderSettings(**given)
+
+
+def _build_index(args) -> None:
+    corpus = Path(args.corpus).expanduser()
+    if not args.dense:
+        from emapg.search.bm25 import build_index
+
+        if args.out:
+            raise EmapgError("--out is for --dense: the BM25 index is kept beside its corpus (<corpus>.bm25)")
+        out = corpus.with_name(corpus.name + ".bm25")
+        meta = build_index(corpus, out)
+        print(f"BM25 index of {meta['num_docs']} documents in {out}")
+        return
+    from emapg.search.dense import build_dense_index
+
+    if not args.encoder:
+        raise EmapgError("build-index --dense needs --encoder PATH (a local Hugging Face encoder folder)")
+    if args.shard_docs < 1:
+        raise EmapgError(f"--shard-docs {args.shard_docs}: expected >= 1")
+    out = Path(args.out or corpus.with_name(corpus.name + ".dense"))
+    meta = build_dense_index(
+        corpus, out, args.encoder, _encoder_settings(args), index_type=args.index_type,
+        shard_docs=args.shard_docs, progress=not args.no_progress, nlist=args.nlist,
+    )  # fmt: skip
+    print(f"{meta['index_type']} index of {meta['num_docs']} {meta['dim']}-dimensional vectors in {out}")
+
+
 def _serve_retriever(args) -> None:
-    from emapg.search.bm25 import BM25Retriever
     from emapg.search.server import make_server
 
     if not 0 <= args.port <= 65535:
@@ -133,7 +171,21 @@ def _serve_retriever(args) -> None:
     for flag in ("max_queries", "max_query_chars", "max_pending"):
         if getattr(args, flag) < 1:
             raise EmapgError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1")
-    retriever = BM25Retriever(args.corpus)
+    if args.dense is None:
+        from emapg.search.bm25 import BM25Retriever
+
+        retriever = BM25Retriever(args.corpus)
+    else:
+        from emapg.search.dense import DenseRetriever
+
+        if not args.encoder:
+            raise EmapgError("serve-retriever --dense needs --encoder PATH (the encoder of the index)")
+        corpus = Path(args.corpus).expanduser()
+        index = args.dense or corpus.with_name(corpus.name + ".dense")
+        retriever = DenseRetriever(
+            index, corpus, args.encoder, _encoder_settings(args, default_from_index=True),
+            nprobe=args.nprobe, ef_search=args.ef_search,
+        )  # fmt: skip
     try:
         server = make_server(
             retriever, args.host, args.port, args.max_queries, args.max_query_chars, args.max_pending
@@ -260,10 +312,39 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     rep.add_argument("--threshold", type=float, help="also report the first step eval/accuracy reaches this")
     rep.add_argument("--smooth", type=int, default=5, help="trailing mean over this many steps (not eval)")
     rep.set_defaults(func=_report)
+    idx = sub.add_parser(
+        "build-index", help="index a jsonl corpus for retrieval: BM25, or dense with --dense (docs/search.md)"
+    )
+    idx.add_argument("--corpus", required=True, help="jsonl with id and contents (first line: the title)")
+    idx.add_argument("--out", help="dense: index folder (default <corpus>.dense; BM25's is <corpus>.bm25)")
+    idx.add_argument("--dense", action="store_true", help="encode with --encoder into a FAISS index")
+    idx.add_argument(
+        "--index-type",
+        choices=["flat", "hnsw", "ivf"],
+        default="flat",
+        help="dense: flat (exact, the paper's; 4 x dim bytes a passage), hnsw or ivf (approximate, "
+        "for less RAM or faster search: recall in docs/search.md)",
+    )
+    idx.add_argument("--nlist", type=int, help="dense ivf: lists (default 4 x sqrt(passages))")
+    idx.add_argument(
+        "--shard-docs", type=int, default=50_000, help="dense: passages per saved shard (resume unit)"
+    )
+    idx.add_argument("--no-progress", action="store_true", help="no progress bar")
     srv = sub.add_parser(
-        "serve-retriever", help="serve BM25 over a jsonl corpus at POST /retrieve (Search-R1's format)"
+        "serve-retriever",
+        help="serve BM25 (or a dense index with --dense) over a jsonl corpus at POST /retrieve (Search-R1's format)",
     )
     srv.add_argument("--corpus", required=True, help="jsonl with id and contents (first line: the title)")
+    srv.add_argument(
+        "--dense",
+        nargs="?",
+        const="",
+        metavar="INDEX",
+        help="serve a dense index: a build-index --dense folder (default <corpus>.dense) or a FAISS "
+        "file whose row i is passage i (Search-R1's e5_Flat.index)",
+    )
+    srv.add_argument("--nprobe", type=int, help="dense ivf: lists searched per query")
+    srv.add_argument("--ef-search", type=int, help="dense hnsw: search breadth")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     srv.add_argument(
@@ -284,6 +365,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=MAX_PENDING,
         help=f"requests admitted at once; one more gets HTTP 503 with Retry-After (default {MAX_PENDING})",
     )
+    for p in (idx, srv):
+        p.add_argument(
+            "--encoder", help="dense: a local Hugging Face encoder folder (e5-base-v2 in the paper)"
+        )
+        p.add_argument("--query-prefix", help="dense: prepended to each query (e5: 'query: ')")
+        p.add_argument("--passage-prefix", help="dense: prepended to each passage (e5: 'passage: ')")
+        p.add_argument("--pooling", choices=["mean", "cls"], help="dense: token pooling (e5: mean)")
+        p.add_argument("--max-length", type=int, help="dense: tokens per text (256)")
+        p.add_argument("--batch-size", type=int, help="dense: texts per encoder call (64)")
+    idx.set_defaults(func=_build_index)
     srv.set_defaults(func=_serve_retriever)
     return parser
 

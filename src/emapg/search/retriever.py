@@ -3,7 +3,7 @@ freshness key of an index built from it, and the client of a Search-R1-style HTT
 
 Every retriever answers `retrieve(queries, topk)` with, per query, the top documents as
 `{"id": ..., "contents": "title\\ntext"}` dicts, best first. The local ones are BM25
-(emapg.search.bm25, tantivy) and dense (emapg.search.dense, FAISS); their indexes keep each
+(emapg.search.bm25) and dense (emapg.search.dense, FAISS); their indexes keep each
 document's byte range, not its text, and read a document from the corpus only when it is returned.
 """
 
@@ -160,7 +160,11 @@ class HttpRetriever:
             except urllib.error.HTTPError as e:
                 detail = " ".join(e.read().decode(errors="replace")[:200].split())
                 if e.code != 503:  # the server answered: retrying will not help
-                    hint = " (lower task.max_queries_per_request)" if e.code == 413 else ""
+                    hint = (
+                        " (lower task.max_queries_per_request or task.max_query_chars)"
+                        if e.code == 413
+                        else ""
+                    )
                     raise EmapgError(f"retriever {self.url}: HTTP {e.code}: {detail}{hint}") from None
                 busy_since = busy_since or time.monotonic()
                 waited = time.monotonic() - busy_since

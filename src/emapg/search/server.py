@@ -22,7 +22,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # not imported at run time: the CLI reads the defaults without numpy or tantivy
+if TYPE_CHECKING:  # not imported at run time: the CLI reads the defaults without numpy or bm25s
     from emapg.search.bm25 import BM25Retriever
 
 # Search-R1's trainer sends a whole rollout batch in one request (512 prompts x 5 = 2560 in

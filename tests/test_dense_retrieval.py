@@ -217,7 +217,7 @@ def _recall(retriever, exact_top: np.ndarray, exact: np.ndarray, queries) -> flo
     return found / (3 * len(queries))
 
 
-def test_hnsw_and_ivf_recall(flat_dir, corpus, encoder_dir, tmp_path, monkeypatch):
+def test_hnsw_ivf_and_sq8_recall(flat_dir, corpus, encoder_dir, tmp_path, monkeypatch):
     queries = _queries(100, seed=2)
     flat = DenseRetriever(flat_dir, corpus, encoder_dir)
     exact = flat.encoder.encode(queries, is_query=True) @ _vectors(flat_dir).T
@@ -247,6 +247,13 @@ def test_hnsw_and_ivf_recall(flat_dir, corpus, encoder_dir, tmp_path, monkeypatc
     assert 0.5 <= ivf_one < 1.0, ivf_one  # one list of 16: approximate, and measurably so (0.78)
     with pytest.raises(EmapgError, match="efSearch does not apply"):
         DenseRetriever(tmp_path / "approx", corpus, encoder_dir, ef_search=8)
+    # sq8: one byte per dimension instead of four, for machines without the RAM for flat
+    build_dense_index(corpus, tmp_path / "approx", encoder_dir, SETTINGS, shard_docs=SHARD,
+                      progress=False, index_type="sq8")  # fmt: skip
+    sq8 = DenseRetriever(tmp_path / "approx", corpus, encoder_dir)
+    assert sq8.index.sa_code_size() * 4 == flat.index.sa_code_size() == 4 * flat.index.d
+    recall = _recall(sq8, exact_top, exact, queries)
+    assert recall >= 0.95, recall
 
 
 # --- building: resuming, starting over ------------------------------------------------------------

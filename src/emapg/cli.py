@@ -320,10 +320,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     idx.add_argument("--dense", action="store_true", help="encode with --encoder into a FAISS index")
     idx.add_argument(
         "--index-type",
-        choices=["flat", "hnsw", "ivf"],
+        choices=["flat", "sq8", "hnsw", "ivf"],
         default="flat",
-        help="dense: flat (exact, the paper's; 4 x dim bytes a passage), hnsw or ivf (approximate, "
-        "for less RAM or faster search: recall in docs/search.md)",
+        help="dense: flat (exact, the paper's; 4 x dim bytes a passage), sq8 (1 x dim bytes: for less "
+        "RAM), hnsw or ivf (full vectors, faster search); recall in docs/search.md",
     )
     idx.add_argument("--nlist", type=int, help="dense ivf: lists (default 4 x sqrt(passages))")
     idx.add_argument(

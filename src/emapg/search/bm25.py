@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit
 
 from emapg.errors import EmapgError
-from emapg.search.retriever import Documents, index_is_current, iter_corpus
+from emapg.search.corpus import Documents, index_is_current, iter_corpus
 
 INDEX_FORMAT = 6  # bumped when the saved layout changes; an index of another format is rebuilt
 # bm25s's defaults (BM25(): method "lucene", k1 1.5, b 0.75) and its tokenizer's pattern; the
@@ -201,13 +201,8 @@ class BM25Retriever:
     re-indexed), and served memory-mapped."""
 
     def __init__(self, corpus_path: str | Path):
-        try:
-            from bm25s.stopwords import STOPWORDS_EN
-        except ImportError:
-            raise EmapgError(
-                "the BM25 retriever needs bm25s, a dependency of emapg: pip install 'bm25s>=0.2' "
-                "(or reinstall emapg: pip install -e .)"
-            ) from None
+        from bm25s.stopwords import STOPWORDS_EN
+
         path = Path(corpus_path).expanduser()
         if not path.is_file():
             raise EmapgError(f"retriever corpus {str(path)!r}: no such file")

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from emapg.errors import EmapgError
-from emapg.search.retriever import Documents, _sha256, iter_corpus
+from emapg.search.corpus import Documents, file_sha256, iter_corpus
 
 DENSE_FORMAT = 1  # bumped when the saved layout changes; a build of another format starts over
 INDEX_TYPES = ("flat", "sq8", "hnsw", "ivf")
@@ -134,7 +134,7 @@ def _same_corpus(corpus: Path, record: dict, save=None) -> bool:
     if record.get("size") != stat.st_size:
         return False
     if record.get("mtime_ns") != stat.st_mtime_ns:
-        if _sha256(corpus) != record.get("sha256"):
+        if file_sha256(corpus) != record.get("sha256"):
             return False
         record["mtime_ns"] = stat.st_mtime_ns
         if save:
@@ -176,7 +176,7 @@ def _encoder_id(path: Path) -> str:
     """A hash of the encoder folder's files: another model at the same path is another encoder."""
     h = hashlib.sha256()
     for f in sorted(p for p in path.expanduser().iterdir() if p.is_file()):
-        h.update(f.name.encode() + b"\0" + _sha256(f).encode())
+        h.update(f.name.encode() + b"\0" + file_sha256(f).encode())
     return h.hexdigest()
 
 

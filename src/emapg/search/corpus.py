@@ -3,6 +3,7 @@ byte range, and the key that says whether an index built from it is still curren
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,27 +52,39 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def index_is_current(corpus: Path, index_dir: Path, index_format: int) -> bool:
-    """Whether `index_dir` holds a complete index of this corpus.
+def same_corpus(corpus: Path, record: dict, save=None) -> bool:
+    """Whether `corpus` is the file `record` (its size, mtime_ns and sha256) describes.
 
-    The key is the corpus's full sha256, computed once while building. Hashing 14 GB again
-    at every start would take about half a minute, so size and mtime stand in for it: same
-    size and mtime, the index is used; same size but another mtime (a copy, a touch), the
-    corpus is hashed and the index used if the hash matches; another size, it is rebuilt."""
+    The key is the corpus's full sha256, computed once while building. Hashing 14 GB again at
+    every start would take about half a minute, so size and mtime stand in for it: same size and
+    mtime, it is the same; same size but another mtime (a copy, a touch), the corpus is hashed,
+    and if the hash matches the record's mtime is updated and `save` called, to skip the hash
+    next time (a read-only index folder hashes again next time); another size, it is another."""
+    stat = corpus.stat()
+    if record.get("size") != stat.st_size:
+        return False
+    if record.get("mtime_ns") == stat.st_mtime_ns:
+        return True
+    if file_sha256(corpus) != record.get("sha256"):
+        return False
+    record["mtime_ns"] = stat.st_mtime_ns
+    if save:
+        with contextlib.suppress(OSError):
+            save()
+    return True
+
+
+def index_is_current(corpus: Path, index_dir: Path, index_format: int) -> bool:
+    """Whether `index_dir` holds a complete index of this corpus (`same_corpus`), of this format."""
     try:
         meta = json.loads((index_dir / "meta.json").read_text())
     except (OSError, ValueError):
         return False
-    stat = corpus.stat()
-    if meta.get("format") != index_format or meta.get("size") != stat.st_size:
-        return False
-    if meta.get("mtime_ns") == stat.st_mtime_ns:
-        return True
-    if file_sha256(corpus) != meta.get("sha256"):
-        return False
-    meta["mtime_ns"] = stat.st_mtime_ns  # the same bytes: skip the hash next time
-    (index_dir / "meta.json").write_text(json.dumps(meta))
-    return True
+
+    def save():
+        (index_dir / "meta.json").write_text(json.dumps(meta))
+
+    return meta.get("format") == index_format and same_corpus(corpus, meta, save)
 
 
 class Documents:

@@ -10,7 +10,6 @@ the corpus by its byte range, as the BM25 retriever does.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -24,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from emapg.errors import EmapgError
-from emapg.search.corpus import Documents, file_sha256, iter_corpus
+from emapg.search.corpus import Documents, file_sha256, iter_corpus, same_corpus
 
 DENSE_FORMAT = 1  # bumped when the saved layout changes; a build of another format starts over
 INDEX_TYPES = ("flat", "sq8", "hnsw", "ivf")
@@ -127,22 +126,6 @@ def _write_offsets(corpus: Path, folder: Path) -> dict:
             "num_docs": num_docs}  # fmt: skip
 
 
-def _same_corpus(corpus: Path, record: dict, save=None) -> bool:
-    """retriever.py's rule: the same size and mtime, or the same size and sha256 (a copy, a touch:
-    the record's mtime is then updated, and `save` called if given, to skip the hash next time)."""
-    stat = corpus.stat()
-    if record.get("size") != stat.st_size:
-        return False
-    if record.get("mtime_ns") != stat.st_mtime_ns:
-        if file_sha256(corpus) != record.get("sha256"):
-            return False
-        record["mtime_ns"] = stat.st_mtime_ns
-        if save:
-            with contextlib.suppress(OSError):  # a read-only index: hash again next time
-                save()
-    return True
-
-
 def _save_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -160,7 +143,7 @@ def corpus_offsets(corpus: Path) -> Path:
             meta = json.loads((folder / "meta.json").read_text())
         except (OSError, ValueError):
             continue
-        if _same_corpus(corpus, meta, partial(_save_json, folder / "meta.json", meta)):
+        if same_corpus(corpus, meta, partial(_save_json, folder / "meta.json", meta)):
             return folder / "offsets.i64"
     for folder in folders:
         try:
@@ -214,7 +197,7 @@ def build_dense_index(corpus: str | Path, index_dir: str | Path, encoder_path: s
         build = json.loads((index_dir / "build.json").read_text())
     except (OSError, ValueError):
         build = {}
-    if {k: build.get(k) for k in key} == key and _same_corpus(corpus, build.get("corpus", {})):
+    if {k: build.get(k) for k in key} == key and same_corpus(corpus, build.get("corpus", {})):
         (index_dir / "meta.json").unlink(missing_ok=True)  # incomplete until written again
     else:  # nothing reusable: start over
         if index_dir.exists():
@@ -306,7 +289,7 @@ class DenseRetriever:
                     f"dense index {str(index_path)!r}: incomplete (no meta.json); build it again"
                 ) from None
             save = partial(_save_json, index_path / "meta.json", meta)
-            if meta.get("format") != DENSE_FORMAT or not _same_corpus(corpus, meta.get("corpus", {}), save):
+            if meta.get("format") != DENSE_FORMAT or not same_corpus(corpus, meta.get("corpus", {}), save):
                 raise EmapgError(
                     f"dense index {str(index_path)!r} was not built from {str(corpus)!r}; build it again"
                 )

@@ -71,3 +71,19 @@ def torchrun(nproc: int, *args: str, timeout: int = 300) -> None:
            "--master_addr", "127.0.0.1", "--master_port", str(port), *args]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def http(url: str, body: bytes | None = None, method: str = "POST") -> tuple[int, dict, object]:
+    """One request to a test server: its status, headers and JSON body, errors included."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, data=body, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())

@@ -8,8 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import bm25s
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 
 import emapg
+from conftest import http
 from emapg.cli import main
 from emapg.config import load_config
 from emapg.errors import EmapgError
@@ -344,18 +343,6 @@ def test_bad_corpus_lines_are_one_line_errors(tmp_path):
 # --- the server under load ------------------------------------------------------------------------
 
 
-def _post(url: str, payload, method: str = "POST"):
-    body = json.dumps(payload).encode() if payload is not None else None
-    request = urllib.request.Request(
-        url, data=body, method=method, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read())
-
-
 def test_four_clients_with_the_papers_batch_at_once_each_get_their_own_answers(world_corpus):
     """4 clients x 2,560 queries (the paper's batch) at once: every answer whole, in its
     request's order, and equal to the answer of the same queries asked alone."""
@@ -400,7 +387,7 @@ def test_past_the_pending_limit_a_503_and_the_clients_retry_gets_the_answer_once
         holder = threading.Thread(target=lambda: first.append(HttpRetriever(url).retrieve(["a b"], 1)))
         holder.start()
         assert gate.entered.wait(timeout=10)  # the one admitted request is in progress
-        status, headers, data = _post(url, {"queries": ["x"] * 2000, "topk": 3})
+        status, headers, data = http(url, json.dumps({"queries": ["x"] * 2000, "topk": 3}).encode())
         assert status == 503 and headers["Retry-After"] == "1" and "--max-pending" in data["error"]
         queries = _queries(w, 50)
         threading.Timer(1.5, gate.open.set).start()  # the queue drains while the client retries
@@ -442,7 +429,9 @@ def test_long_and_escaped_queries_within_the_limits_are_answered(world_corpus):
         long = [q[:420] for q in long]
         chinese = ["北京上海广州深圳" * 9][0][:70]
         for queries in (long, [chinese] * 2560, ["𝔘" * MAX_QUERY_CHARS] * 4):  # the last: 12 bytes each
-            status, _, data = _post(url, {"queries": queries, "topk": 3, "return_scores": True})
+            status, _, data = http(
+                url, json.dumps({"queries": queries, "topk": 3, "return_scores": True}).encode()
+            )
             assert status == 200 and len(data["result"]) == len(queries)
         assert len(json.dumps({"queries": long}).encode()) > 1 << 20
         assert data["result"][0] == []  # no term of the corpus in it: no passage
@@ -454,7 +443,7 @@ def test_long_and_escaped_queries_within_the_limits_are_answered(world_corpus):
 def test_a_query_over_the_length_cap_gets_413_naming_both_limits(world_corpus):
     srv, url = _serve(world_corpus[2], max_queries=10, max_query_chars=50)
     try:
-        status, _, data = _post(url, {"queries": ["a", "b" * 51], "topk": 3})
+        status, _, data = http(url, json.dumps({"queries": ["a", "b" * 51], "topk": 3}).encode())
         assert status == 413
         assert data["error"] == (
             "query 1 has 51 characters; limits: 10 queries per request (--max-queries), "
@@ -472,13 +461,13 @@ def test_a_query_over_the_length_cap_gets_413_naming_both_limits(world_corpus):
 def test_other_methods_get_405_and_every_error_is_json(world_corpus, method):
     srv, url = _serve(world_corpus[2])
     try:
-        status, headers, data = _post(url, None, method)
+        status, headers, data = http(url, None, method)
         assert (
             status == 405
             and headers["Allow"] == "POST"
             and data == {"error": f"{method} /retrieve: use POST"}
         )
-        status, _, data = _post(url.replace("/retrieve", "/search"), None, method)
+        status, _, data = http(url.replace("/retrieve", "/search"), None, method)
         assert status == 404 and "POST /retrieve" in data["error"]
         with socket.create_connection(srv.server_address[:2], timeout=5) as s:  # not HTTP at all
             s.sendall(b"NONSENSE\r\n\r\n")

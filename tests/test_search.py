@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
 import emapg
-from conftest import engine_old
+from conftest import engine_old, http
 from emapg.cli import main
 from emapg.config import Config, load_config
 from emapg.errors import EmapgError
@@ -151,22 +151,13 @@ def server(world):
     srv.shutdown()
 
 
-def _post(url, body: bytes):
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_server_and_client_round_trip(world, server):
     w, retriever = world
     names = sorted(w["people"])[:3]
     assert HttpRetriever(server).retrieve(names, 2) == retriever.retrieve(names, 2)
-    status, data = _post(server, json.dumps({"queries": names[:1], "topk": 2}).encode())
+    status, _, data = http(server, json.dumps({"queries": names[:1], "topk": 2}).encode())
     assert status == 200 and data["result"] == [retriever.retrieve(names[:1], 2)[0]]  # no scores
-    status, data = _post(
+    status, _, data = http(
         server, json.dumps({"queries": names[:1], "topk": 1, "return_scores": True}).encode()
     )
     assert set(data["result"][0][0]) == {"document", "score"} and data["result"][0][0]["score"] > 0
@@ -182,7 +173,7 @@ def test_server_and_client_round_trip(world, server):
     ],
 )
 def test_malformed_requests_get_400(server, body, message):
-    status, data = _post(server, body)
+    status, _, data = http(server, body)
     assert status == 400 and message in data["error"]
 
 

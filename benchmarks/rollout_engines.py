@@ -25,40 +25,12 @@ import tempfile
 import time
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from emapg.models import build_tiny_tokenizer
 from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.vllm import VllmEngine
-
-
-def cjk_padding(n: int) -> str:
-    """n distinct characters from U+4E00 on, UTF-16 surrogates left out."""
-    chars, code = [], 0x4E00
-    while len(chars) < n:
-        if not 0xD800 <= code <= 0xDFFF:
-            chars.append(chr(code))
-        code += 1
-    return "".join(chars)
-
-
-def build_model(args, tokenizer) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        intermediate_size=args.intermediate,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(args.seed)
-    return Qwen2ForCausalLM(config).eval()
+from random_models import QWEN_05B, padded_tokenizer, random_qwen2
 
 
 def load_average() -> str:
@@ -67,12 +39,11 @@ def load_average() -> str:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The random model's shape (Qwen2.5-0.5B's by default) and its random prompts."""
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B: 24)")
-    parser.add_argument("--hidden", type=int, default=896)
-    parser.add_argument("--heads", type=int, default=14)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=4864)
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument(
+        "--layers", type=int, default=QWEN_05B["layers"], help="decoder layers (Qwen2.5-0.5B: 24)"
+    )
+    for name in ("hidden", "heads", "kv_heads", "intermediate", "vocab"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=QWEN_05B[name])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt, BOS included")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -87,8 +58,8 @@ def random_model(args, parser: argparse.ArgumentParser):
     base = build_tiny_tokenizer()
     if args.vocab < len(base):
         parser.error(f"--vocab must be at least the character tokenizer's {len(base)}")
-    tokenizer = build_tiny_tokenizer(extra_chars=cjk_padding(args.vocab - len(base)))
-    model = build_model(args, tokenizer)
+    tokenizer = padded_tokenizer(args.vocab)
+    model = random_qwen2(tokenizer, **vars(args))
     g = torch.Generator().manual_seed(args.seed)
     body = torch.randint(len(base), args.vocab, (args.prompts, args.prompt_len - 1), generator=g)
     return tokenizer, model, [[tokenizer.bos_token_id, *row] for row in body.tolist()]

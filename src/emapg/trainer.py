@@ -592,6 +592,14 @@ def training_step(run: Run, step: int, params: SamplingParams) -> dict:
     }
 
 
+def training_params(run: Run) -> SamplingParams:
+    """The sampling parameters of training rollouts. The engine records the top-k ids of what it
+    samples only where they may form q (a recomputed pi_old brings its own)."""
+    cfg = run.cfg
+    sampling_q = kl.q_source(cfg.kl.estimator, cfg.kl.direction) == "sampling" and run.anchor is not None
+    return rollout_params(cfg, topk=min(cfg.kl.k, run.vocab) if sampling_q else 0)
+
+
 def train_loop(run: Run) -> dict:
     cfg, state = run.cfg, run.state
     if run.start == 0:
@@ -599,10 +607,7 @@ def train_loop(run: Run) -> dict:
         state.accuracy = state.accuracy_before
         if run.log:
             run.log.log({"step": 0, "eval/accuracy": state.accuracy, **eval_metrics})
-    # The engine records the top-k ids of what it samples only where they may form q (a recomputed
-    # pi_old brings its own).
-    sampling_q = kl.q_source(cfg.kl.estimator, cfg.kl.direction) == "sampling" and run.anchor is not None
-    params = rollout_params(cfg, topk=min(cfg.kl.k, run.vocab) if sampling_q else 0)
+    params = training_params(run)
     bar = tqdm(
         range(run.start + 1, cfg.train.steps + 1),
         desc=cfg.train.name,

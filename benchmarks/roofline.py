@@ -1,0 +1,256 @@
+"""How close each phase of a training step runs to this machine's limit: a roofline.
+
+Measures the machine's peaks at the trainer's thread count (GEMM FLOP/s of torch.mm in float32
+and bfloat16, the best of square sizes 1024-4096; memory bandwidth, bytes/s of a 512 MiB copy,
+read plus write), then runs real training steps (`emapg.trainer.training_step`, after setting
+up the run as `emapg train` does, without its evaluations) and prints per phase: its seconds
+and share of the step, the FLOP and bytes it must move, the FLOP/s it reached, the bound
+(the time the FLOP take at the GEMM peak, or the bytes at the bandwidth, whichever is longer)
+and the share of the bound it reached (bound seconds / measured seconds).
+
+    python benchmarks/roofline.py [--model tiny|qwen0.5b] [--steps 4] [--profile] [key=value ...]
+    .venv-vllm/bin/python benchmarks/roofline.py --model qwen0.5b rollout.engine=vllm
+
+`tiny` is the quickstart as it trains (the warm-started tiny Llama, its batch; the warm start
+is cached). `qwen0.5b` is a random Qwen2 of Qwen2.5-0.5B's shape (494M parameters, vocabulary
+151,936) on the quickstart's arithmetic task, 4 prompts x 4 samples of up to 32 new tokens
+(random weights: every response runs to the limit). key=value settings override either. The
+EMA anchor is applied at every optimiser step (anchor.update_period=1) so that its cost shows.
+`--profile` adds the operators that took the most time in one step (torch.profiler).
+
+FLOP and bytes, counted over the real tokens of the step's batch (padding is work the machine
+does and the model does not need: it shows as a lower share of the bound), with N_lin the
+parameters of the decoder's linear layers (embedding and LM head excluded), d_attn = heads x
+head_dim, d_kv = KV heads x head_dim, H the width and V the vocabulary:
+
+- a forward pass over a batch, F: per token 2 N_lin (its matmuls) plus 4 d_attn (i + 1) per
+  layer for the token at position i of its sequence (QK^T and AV over its causal prefix), plus
+  2 H V for each token whose next token is a response token (the LM head).
+- rollout: F (prefill plus one token per decode step compute what one forward computes); bytes:
+  every weight read once per decode step (decode steps = generate calls x the response width)
+  plus, per generated token, the KV cache of its prefix (2 x layers x d_kv x context).
+- pi_old pass (when recomputed), anchor pass: F each, no gradient.
+- update: 3F per epoch (the backward is 2x the forward: gradients of activations and of
+  weights; the fused LM head also recomputes its logits, 2 H V per response token, counted as
+  overhead); plus AdamW's step, memory-bound: it reads parameter, gradient and two moments and
+  writes three, 28 bytes per float32 parameter.
+- EMA: the anchor read and written, the policy read, once per anchor update.
+
+The bound adds the update's optimiser bytes to its compute time (the step follows the
+backward); elsewhere it is the larger of the two. Scoring (the reward) has no FLOP bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from emapg import distributed
+from emapg.config import load_config
+from emapg.lm_head import backbone
+from emapg.models import pin_cpu_kernels
+from emapg.rollout import Rollout
+from emapg.trainer import device_of, setup, training_params, training_step
+from random_models import QWEN_05B, padded_tokenizer, random_qwen2
+
+PHASES = ("rollout", "scoring", "old_logp", "anchor", "update", "ema")
+
+
+def best_seconds(fn, repeats: int = 5) -> float:
+    """The fastest of `repeats` calls, after a warm-up call."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def gemm_peak(dtype: torch.dtype) -> float:
+    """FLOP/s of torch.mm on square matrices, the best of 1024, 2048 and 4096."""
+    rates = []
+    for n in (1024, 2048, 4096):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        rates.append(2 * n**3 / best_seconds(lambda a=a, b=b: torch.mm(a, b), repeats=3))
+    return max(rates)
+
+
+def bandwidth() -> float:
+    """Bytes/s of copying 512 MiB of float32 (each byte read once and written once)."""
+    x = torch.ones(128 << 20)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / best_seconds(lambda: y.copy_(x))
+
+
+@dataclass
+class Shape:
+    linear: int  # N_lin: parameters of the decoder's linear layers
+    layers: int
+    d_attn: int
+    d_kv: int
+    hidden: int
+    vocab: int
+    weight_bytes: int  # every parameter once (tied embeddings once)
+    trainable: int
+
+
+def shape_of(model: nn.Module) -> Shape:
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    params = list(model.parameters())
+    return Shape(
+        linear=sum(m.weight.numel() for m in backbone(model).modules() if isinstance(m, nn.Linear)),
+        layers=c.num_hidden_layers,
+        d_attn=c.num_attention_heads * head_dim,
+        d_kv=(getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * head_dim,
+        hidden=c.hidden_size,
+        vocab=model.get_output_embeddings().weight.shape[0],
+        weight_bytes=sum(p.numel() * p.element_size() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+    )
+
+
+def forward_flops(s: Shape, batch: Rollout) -> float:
+    n = batch.attention_mask.sum(-1).double()  # real tokens per row: prompt and response
+    attention = s.layers * (2 * s.d_attn * n * (n + 1)).sum()
+    return float(2 * s.linear * n.sum() + attention + 2 * s.hidden * s.vocab * batch.response_mask.sum())
+
+
+def rollout_bytes(s: Shape, batch: Rollout, batch_size: int, element: int) -> float:
+    calls = math.ceil(len(batch.texts) / batch_size)
+    decode_steps = calls * batch.response_mask.shape[1]
+    prompt = batch.attention_mask[:, : batch.prompt_len].sum(-1, keepdim=True)
+    context = (prompt + batch.response_mask.cumsum(-1)) * batch.response_mask  # prefix of each new token
+    kv = 2 * s.layers * s.d_kv * element * float(context.sum())
+    return decode_steps * s.weight_bytes + kv
+
+
+def phase_work(cfg, s: Shape, batch: Rollout, anchor_updates: int) -> dict[str, tuple[float, float]]:
+    """(FLOP, bytes) each phase must do for this batch."""
+    f = forward_flops(s, batch)
+    element = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
+    anchor_element = torch.finfo(getattr(torch, cfg.anchor_dtype)).bits // 8
+    optimizer_steps = cfg.algo.epochs * cfg.algo.minibatches
+    params = s.weight_bytes / element
+    return {
+        "rollout": (f, rollout_bytes(s, batch, cfg.rollout.batch_size, element)),
+        "old_logp": (f, s.weight_bytes),
+        "anchor": (f, params * anchor_element),
+        "update": (3 * f * cfg.algo.epochs, 28 * s.trainable * optimizer_steps),
+        "ema": (0.0, anchor_updates * params * (2 * anchor_element + element)),
+    }
+
+
+def build(args, out: str):
+    """The run's config: the quickstart, or it with a random Qwen2.5-0.5B-shaped model."""
+    overrides = [f"train.output_dir={out}", "train.progress=false", "train.tensorboard=false",
+                 "anchor.update_period=1", "eval.kl=false"]  # fmt: skip
+    if args.model == "qwen0.5b":
+        model_dir = os.path.join(out, "model")
+        tokenizer = padded_tokenizer(QWEN_05B["vocab"])
+        random_qwen2(tokenizer, **QWEN_05B).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        overrides += [f"model.path={model_dir}", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                      "rollout.max_new_tokens=32", "algo.micro_batch_size=16"]  # fmt: skip
+    return load_config("quickstart", overrides + args.overrides)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=("tiny", "qwen0.5b"), default="tiny")
+    parser.add_argument("--steps", type=int, default=4, help="training steps; the first is a warm-up")
+    parser.add_argument("--profile", action="store_true", help="then profile one more step's operators")
+    parser.add_argument("overrides", nargs="*", help="key=value settings")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first is a warm-up)")
+    if args.model == "tiny":
+        pin_cpu_kernels()  # as `emapg train` does for builtin:tiny, before any kernel runs
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="emapg-roofline-") as out:
+        cfg = build(args, out)
+        torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
+        threads = torch.get_num_threads()
+        peak = {dtype: gemm_peak(dtype) for dtype in (torch.float32, torch.bfloat16)}
+        bytes_per_s = bandwidth()
+        print(f"machine: {threads} threads; GEMM peak float32 {peak[torch.float32] / 1e9:.0f} GFLOP/s, bfloat16 "
+              f"{peak[torch.bfloat16] / 1e9:.0f} GFLOP/s; copy bandwidth {bytes_per_s / 1e9:.1f} GB/s")  # fmt: skip
+        compute_peak = peak[getattr(torch, cfg.model.dtype)]
+
+        device = distributed.init(device_of(cfg))
+        run = setup(cfg, False, device)
+        try:
+            batches = []
+            sample = run.engine.sample
+
+            def recording(*a, **kw):  # the step's batch, for its token counts
+                batches.append(sample(*a, **kw))
+                return batches[-1]
+
+            run.engine.sample = recording
+            params = training_params(run)
+            seconds, work = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
+            updates = run.anchor.updates if run.anchor else 0
+            for step in range(1, args.steps + 1 + args.profile):  # --profile: one step more, not counted
+                batches.clear()
+                profiling = step > args.steps
+                with torch.profiler.profile() if profiling else nullcontext() as profiler:
+                    record = training_step(run, step, params)
+                if step == 1 or profiling:  # the first is a warm-up
+                    updates = record["anchor/updates"]
+                    continue
+                for phase in PHASES:
+                    seconds[phase] += record.get(f"time/{phase}_s", 0.0)
+                batch = Rollout.cat(batches, run.tokenizer.pad_token_id) if len(batches) > 1 else batches[0]
+                done = record["anchor/updates"] - updates
+                for phase, (f, b) in phase_work(cfg, shape_of(run.model), batch, done).items():
+                    work[phase][0] += f
+                    work[phase][1] += b
+                updates = record["anchor/updates"]
+        finally:
+            run.close()
+            distributed.close()
+        s = shape_of(run.model)
+    measured = args.steps - 1
+    total = sum(seconds.values())
+    print(f"\n{args.model}: {s.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), N_lin {s.linear / 1e6:.2f}M, "
+          f"vocabulary {s.vocab}; {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} sequences of <= "
+          f"{cfg.rollout.max_new_tokens} new tokens; engine {cfg.rollout.engine}; kl {cfg.kl.estimator}; "
+          f"mean of steps 2..{args.steps}")  # fmt: skip
+    print(
+        f"{'phase':<10}{'s/step':>8}{'share':>7}{'GFLOP':>9}{'GB':>8}{'GFLOP/s':>9}{'bound':>8}{'bound s':>9}{'of bound':>9}"
+    )
+    for phase in PHASES:
+        if phase not in seconds or seconds[phase] == 0.0:
+            continue
+        t = seconds[phase] / measured
+        f, b = (x / measured for x in work.get(phase, (0.0, 0.0)))
+        compute, memory = f / compute_peak, b / bytes_per_s
+        bound = compute + memory if phase == "update" else max(compute, memory)
+        kind = "-" if bound == 0 else ("GEMM" if compute >= memory else "memory")
+        cells = (
+            f"{f / 1e9:>9.2f}{b / 1e9:>8.2f}{f / t / 1e9:>9.1f}{kind:>8}{bound:>9.3f}{bound / t:>9.1%}"
+            if bound
+            else ""
+        )
+        print(f"{phase:<10}{t:>8.3f}{t / (total / measured):>7.1%}{cells}")
+    print(f"{'step':<10}{total / measured:>8.3f}")
+    print(f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
+    if args.profile:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()

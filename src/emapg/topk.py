@@ -148,19 +148,27 @@ class _SummarizeHidden(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lse, g_gathered, *_):
+        """By blocks of the vocabulary rather than chunks of tokens, in the same work space: each
+        block's logits of every token at once, so the matmuls are large (at Qwen's vocabulary a
+        token chunk is 27 rows), and each row of the weight's gradient is written once, where every
+        token chunk would read and write all of it (docs/design.md, "Speed")."""
         hidden, weight, ids, lse = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-        for a in range(0, hidden.shape[0], ctx.chunk_size):
-            b = min(a + ctx.chunk_size, hidden.shape[0])
-            h = hidden[a:b]
-            x = _head_logits((h @ weight.T).to(lse.dtype), *ctx.head)
-            g = _chunk_grad_logits(x, lse[a:b], ids[a:b], g_lse[a:b], g_gathered[a:b])
-            g = _scale_by_slope(g, x, *ctx.head).to(h.dtype)
-            if grad_hidden is not None:
-                grad_hidden[a:b] = g @ weight
-            grad_weight += g.T @ h
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        n, vocab = hidden.shape[0], weight.shape[0]
+        block = max(1, ctx.chunk_size * vocab // max(n, 1))
+        grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device)
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        for a in range(0, vocab, block):
+            b = min(a + block, vocab)
+            w = weight[a:b]
+            x = _head_logits((hidden @ w.T).to(lse.dtype), *ctx.head)
+            g = torch.exp(x - lse.unsqueeze(-1)) * g_lse.unsqueeze(-1)
+            here = (ids >= a) & (ids < b)  # requested ids in this block
+            g.index_put_((here.nonzero()[:, 0], ids[here] - a), g_gathered[here], accumulate=True)
+            g = _scale_by_slope(g, x, *ctx.head).to(hidden.dtype)
+            grad_hidden += g @ w
+            if grad_weight is not None:
+                grad_weight[a:b] = g.T @ hidden
+        grad_hidden = grad_hidden.to(hidden.dtype) if ctx.needs_input_grad[0] else None
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 

@@ -19,8 +19,12 @@ def reference(logits, ids, temperature, k):
     return lse, x.gather(-1, ids), top, entropy
 
 
-@pytest.mark.parametrize("from_hidden", [False, True])
-def test_summary_matches_autograd(from_hidden):
+@pytest.mark.parametrize("from_hidden,tile_rows", [(False, None), (True, 512), (True, 4)])
+def test_summary_matches_autograd(from_hidden, tile_rows, monkeypatch):
+    """tile_rows 4: the head's tokens in tiles of 4, 4 and 2, its vocabulary in blocks of 8 and 3
+    (topk._tiles); 512: one tile of all 10 tokens, blocks of 3, 3, 3 and 2."""
+    if tile_rows:
+        monkeypatch.setattr(topk, "TILE_ROWS", tile_rows)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(B, T, H, generator=g, dtype=DT, requires_grad=True)
     weight = torch.randn(V, H, generator=g, dtype=DT, requires_grad=True)

@@ -64,7 +64,7 @@ def _chunk_grad_logits(x: Tensor, lse: Tensor, ids: Tensor, g_lse: Tensor, g_gat
 
 
 class _Forward:
-    """Runs the chunk loop shared by both autograd functions; `logits_of(a, b)` makes a chunk."""
+    """The outputs of a summary, and the token-chunk loop of `_SummarizeLogits`; `logits_of(a, b)` makes a chunk."""
 
     def __init__(self, n: int, m: int, topk: int, with_entropy: bool, like: Tensor):
         kw = {"dtype": wide_dtype(like), "device": like.device}
@@ -131,44 +131,104 @@ def _scale_by_slope(g: Tensor, x: Tensor, scale: float, softcap: float | None, i
     return g.mul_(slope)
 
 
+# Rows of one matmul of the head: from about this many on a GEMM runs near this machine's peak,
+# where a token chunk at Qwen's vocabulary is 27 rows (benchmarks/roofline.py, docs/design.md "Speed").
+TILE_ROWS = 512
+
+
+def _tiles(n: int, vocab: int, chunk_size: int) -> tuple[int, int]:
+    """Token tile and vocabulary block of the head's matmuls: tiles of up to max(chunk_size,
+    TILE_ROWS) tokens, and blocks of the vocabulary small enough that a [tile, block] slab holds
+    no more than the chunk_size x vocab elements of one token chunk."""
+    rows = max(1, min(n, max(chunk_size, TILE_ROWS)))
+    return rows, max(1, chunk_size * vocab // rows)
+
+
+def _in_block(ids: Tensor, a: int, b: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """The requested ids that fall in vocabulary block [a, b): their mask, and their (row,
+    column) positions in a [rows, b - a] slab."""
+    here = (ids >= a) & (ids < b)
+    return here, (here.nonzero()[:, 0], ids[here] - a)
+
+
 class _SummarizeHidden(torch.autograd.Function):
+    """Tile by tile of tokens, block by block of the vocabulary (`_tiles`): the forward keeps a
+    running max, sum of exponentials (and their x-weighted sum, for the entropy) and top-k across
+    blocks; the backward writes each block's rows of the weight's gradient once per tile."""
+
     @staticmethod
     def forward(ctx, hidden, weight, ids, inv_temp, scale, softcap, topk, with_entropy, chunk_size):
-        acc = _Forward(ids.shape[0], ids.shape[1], topk, with_entropy, hidden)
-
-        def logits_of(a, b):
-            return _head_logits((hidden[a:b] @ weight.T).to(acc.lse.dtype), scale, softcap, inv_temp)
-
-        out = acc.run(logits_of, ids, chunk_size)
-        ctx.save_for_backward(hidden, weight, ids, out[0])
-        ctx.head = (scale, softcap, inv_temp)
-        ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(*[t for t in out[2:] if t is not None])
-        return out
+        head = (scale, softcap, inv_temp)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        out = _Forward(n, ids.shape[1], topk, with_entropy, hidden)
+        kw = {"dtype": out.lse.dtype, "device": hidden.device}
+        rows, block = _tiles(n, vocab, chunk_size)
+        for t in range(0, n, rows):
+            h, tile_ids = hidden[t : t + rows], ids[t : t + rows]
+            r = h.shape[0]
+            peak = torch.full((r,), -torch.inf, **kw)
+            total, moment = torch.zeros(r, **kw), torch.zeros(r, **kw)  # sums of e and e * x
+            gathered = out.gathered[t : t + r]
+            top_values, top_ids = (
+                torch.empty(r, 0, **kw),
+                torch.empty(r, 0, dtype=torch.long, device=h.device),
+            )
+            for a in range(0, vocab, block):
+                x = _head_logits((h @ weight[a : a + block].T).to(out.lse.dtype), *head)
+                new_peak = torch.maximum(peak, x.amax(-1))
+                rescale = torch.exp(peak - new_peak)
+                e = torch.exp(x - new_peak.unsqueeze(-1))
+                total = total * rescale + e.sum(-1)
+                if with_entropy:
+                    moment = moment * rescale + (e * x).sum(-1)
+                peak = new_peak
+                here, where = _in_block(tile_ids, a, a + x.shape[1])
+                gathered[here] = x[where]
+                if topk:
+                    mine = x.topk(min(topk, x.shape[1]), dim=-1)
+                    values = torch.cat([top_values, mine.values], -1)
+                    best = values.topk(min(topk, values.shape[1]), dim=-1)
+                    top_values = best.values
+                    top_ids = torch.cat([top_ids, mine.indices + a], -1).gather(-1, best.indices)
+            lse = peak + total.log()
+            out.lse[t : t + r] = lse
+            if topk:
+                out.topk_ids[t : t + r], out.topk_logp[t : t + r] = top_ids, top_values - lse.unsqueeze(-1)
+            if with_entropy:
+                out.entropy[t : t + r] = lse - moment / total
+        result = (out.lse, out.gathered, out.topk_ids, out.topk_logp, out.entropy)
+        ctx.save_for_backward(hidden, weight, ids, out.lse)
+        ctx.head, ctx.chunk_size = head, chunk_size
+        ctx.mark_non_differentiable(*[t for t in result[2:] if t is not None])
+        return result
 
     @staticmethod
     def backward(ctx, g_lse, g_gathered, *_):
-        """By blocks of the vocabulary rather than chunks of tokens, in the same work space: each
-        block's logits of every token at once, so the matmuls are large (at Qwen's vocabulary a
-        token chunk is 27 rows), and each row of the weight's gradient is written once, where every
-        token chunk would read and write all of it (docs/design.md, "Speed")."""
         hidden, weight, ids, lse = ctx.saved_tensors
         n, vocab = hidden.shape[0], weight.shape[0]
-        block = max(1, ctx.chunk_size * vocab // max(n, 1))
+        rows, block = _tiles(n, vocab, ctx.chunk_size)
         grad_hidden = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device)
-        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        for a in range(0, vocab, block):
-            b = min(a + block, vocab)
-            w = weight[a:b]
-            x = _head_logits((hidden @ w.T).to(lse.dtype), *ctx.head)
-            g = torch.exp(x - lse.unsqueeze(-1)) * g_lse.unsqueeze(-1)
-            here = (ids >= a) & (ids < b)  # requested ids in this block
-            g.index_put_((here.nonzero()[:, 0], ids[here] - a), g_gathered[here], accumulate=True)
-            g = _scale_by_slope(g, x, *ctx.head).to(hidden.dtype)
-            grad_hidden += g @ w
-            if grad_weight is not None:
-                grad_weight[a:b] = g.T @ hidden
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        for t in range(0, n, rows):
+            h, tile_ids = hidden[t : t + rows], ids[t : t + rows]
+            tile_lse, tile_g_lse = lse[t : t + rows].unsqueeze(-1), g_lse[t : t + rows].unsqueeze(-1)
+            tile_g_gathered = g_gathered[t : t + rows]
+            for a in range(0, vocab, block):
+                w = weight[a : a + block]
+                x = _head_logits((h @ w.T).to(lse.dtype), *ctx.head)
+                g = torch.exp(x - tile_lse) * tile_g_lse
+                here, where = _in_block(tile_ids, a, a + x.shape[1])
+                g.index_put_(where, tile_g_gathered[here], accumulate=True)
+                g = _scale_by_slope(g, x, *ctx.head).to(h.dtype)
+                grad_hidden[t : t + rows] += g @ w
+                if grad_weight is not None:
+                    grad_weight[a : a + block] += g.T @ h
         grad_hidden = grad_hidden.to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 

@@ -315,38 +315,48 @@ def token_losses(cfg, model, part: Rollout, advantages: Tensor, old: OldPolicy, 
 
 class _Stats:
     """The update's per-token sums (this rank's), the first minibatch's on their own: on-policy
-    for pi_old, a recomputed pi_old gives it a ratio of 1, so nothing there clips."""
+    for pi_old, a recomputed pi_old gives it a ratio of 1, so nothing there clips. Kept as float64
+    tensors on the model's device and read once per update: on a GPU each read waits for the
+    queued work (the sums themselves are those of Python floats, bit for bit)."""
 
     def __init__(self):
-        self.sums = {"loss/policy": 0.0, "kl/value": 0.0, "clip_frac": 0.0}
-        self.count = self.first_clipped = self.first_count = self.first_ratio_dev = 0.0
+        self.sums: Tensor | None = (
+            None  # policy loss, KL, clipped, tokens; clipped, tokens of the first minibatch
+        )
+        self.first_ratio_dev: Tensor | float = 0.0  # max |ratio - 1| over the first minibatch
         self.grad_norms: list[float] = []
 
     def add(
         self, mask: Tensor, pg: Tensor, kl_tok: Tensor | None, clipped: Tensor, log_ratio: Tensor, first: bool
     ):
-        self.sums["loss/policy"] += float((pg.detach() * mask).sum())
-        self.sums["kl/value"] += 0.0 if kl_tok is None else float((kl_tok.detach() * mask).sum())
-        self.sums["clip_frac"] += float((clipped & mask).sum())
-        self.count += float(mask.sum())
+        def total(x: Tensor) -> Tensor:
+            return x.sum().double()
+
+        zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+        kl_sum = zero if kl_tok is None else total(kl_tok.detach() * mask)
+        clipped_n, count = total(clipped & mask), total(mask)
+        firsts = [clipped_n, count] if first else [zero, zero]
+        part = torch.stack([total(pg.detach() * mask), kl_sum, clipped_n, count, *firsts])
+        self.sums = part if self.sums is None else self.sums + part
         if first:
-            self.first_clipped += float((clipped & mask).sum())
-            dev = torch.where(mask, (log_ratio.exp() - 1).abs(), 0.0)
-            self.first_ratio_dev = max(self.first_ratio_dev, float(dev.max()))
-            self.first_count += float(mask.sum())
+            dev = torch.where(mask, (log_ratio.exp() - 1).abs(), 0.0).max().double()
+            self.first_ratio_dev = torch.maximum(
+                torch.as_tensor(self.first_ratio_dev, device=dev.device), dev
+            )
 
     def reduced(self) -> dict:
         """Means over every process's tokens."""
-        *totals, count, first_clipped, first_count = distributed.sum_all(
-            *self.sums.values(), self.count, self.first_clipped, self.first_count
-        )
-        stats = {k: v / max(count, 1.0) for k, v in zip(self.sums, totals, strict=True)}
-        stats["clip_frac/first_minibatch"] = first_clipped / max(first_count, 1.0)
-        stats["ppo_ratio/first_minibatch_max_dev"] = distributed.max_one(
-            self.first_ratio_dev
-        )  # max |ratio - 1|
-        stats["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else math.nan
-        return stats
+        values = [0.0] * 6 if self.sums is None else self.sums.tolist()
+        policy, kl_sum, clipped, count, first_clipped, first_count = distributed.sum_all(*values)
+        tokens = max(count, 1.0)
+        return {
+            "loss/policy": policy / tokens,
+            "kl/value": kl_sum / tokens,
+            "clip_frac": clipped / tokens,
+            "clip_frac/first_minibatch": first_clipped / max(first_count, 1.0),
+            "ppo_ratio/first_minibatch_max_dev": distributed.max_one(float(self.first_ratio_dev)),
+            "grad_norm": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else math.nan,
+        }
 
 
 def update(
@@ -391,7 +401,7 @@ def _backward(
         reduce=distributed.sum_one,
         length=cfg.rollout.max_new_tokens,
     )
-    minibatch_loss = 0.0
+    minibatch_loss = 0.0  # a float64 tensor on the loss's device once added to
     for rows in micro_batches(cfg, batch, rows_mb):
         weight = 0.0 if rows is None else 1.0  # a padding pass: the collectives, no gradient
         rows = torch.arange(1) if rows is None else rows
@@ -404,9 +414,9 @@ def _backward(
         loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
         loss = weight * aggregate(loss_tok, loss_mask[rows, :w], cfg.algo.loss_aggregation, total)
         loss.backward()
-        minibatch_loss += float(loss.detach())
+        minibatch_loss = minibatch_loss + loss.detach().double()
         stats.add(loss_mask[rows, :w] & (weight > 0), pg, kl_tok, clipped, log_ratio, first)
-    return distributed.sum_one(minibatch_loss)
+    return distributed.sum_one(float(minibatch_loss))
 
 
 def _optimizer_step(run, loss: float, stats: _Stats, timer: PhaseTimer) -> None:

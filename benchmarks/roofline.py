@@ -1,8 +1,9 @@
 """How close each phase of a training step runs to this machine's limit: a roofline.
 
 Measures the machine's peaks at the trainer's thread count (GEMM FLOP/s of torch.mm in float32
-and bfloat16, the best of square sizes 1024-4096; memory bandwidth, bytes/s of a 512 MiB copy,
-read plus write), then runs real training steps (`emapg.trainer.training_step`, after setting
+and bfloat16, the best of square sizes 1024-4096; memory bandwidth, bytes/s of y += x over
+256 MiB arrays, two reads and a write), before and after the steps (the bound uses the higher),
+then runs real training steps (`emapg.trainer.training_step`, after setting
 up the run as `emapg train` does, without its evaluations) and prints per phase: its seconds
 and share of the step, the FLOP and bytes it must move, the FLOP/s it reached, the bound
 (the time the FLOP take at the GEMM peak, or the bytes at the bandwidth, whichever is longer)
@@ -86,10 +87,15 @@ def gemm_peak(dtype: torch.dtype) -> float:
 
 
 def bandwidth() -> float:
-    """Bytes/s of copying 512 MiB of float32 (each byte read once and written once)."""
-    x = torch.ones(128 << 20)
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 4 / best_seconds(lambda: y.copy_(x))
+    """Bytes/s of y += x over 256 MiB arrays: two streams read, one written in place, the access
+    of AdamW's and the EMA's updates (a copy into a fresh array also reads its target first)."""
+    x, y = torch.ones(64 << 20), torch.ones(64 << 20)
+    return 3 * x.numel() * 4 / best_seconds(lambda: y.add_(x), repeats=10)
+
+
+def peaks() -> tuple[dict[torch.dtype, float], float]:
+    """GEMM FLOP/s per dtype and memory bytes/s."""
+    return {dtype: gemm_peak(dtype) for dtype in (torch.float32, torch.bfloat16)}, bandwidth()
 
 
 @dataclass
@@ -183,11 +189,7 @@ def main() -> None:
         cfg = build(args, out)
         torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
         threads = torch.get_num_threads()
-        peak = {dtype: gemm_peak(dtype) for dtype in (torch.float32, torch.bfloat16)}
-        bytes_per_s = bandwidth()
-        print(f"machine: {threads} threads; GEMM peak float32 {peak[torch.float32] / 1e9:.0f} GFLOP/s, bfloat16 "
-              f"{peak[torch.bfloat16] / 1e9:.0f} GFLOP/s; copy bandwidth {bytes_per_s / 1e9:.1f} GB/s")  # fmt: skip
-        compute_peak = peak[getattr(torch, cfg.model.dtype)]
+        peak, bytes_per_s = peaks()
 
         device = distributed.init(device_of(cfg))
         run = setup(cfg, False, device)
@@ -202,6 +204,7 @@ def main() -> None:
             run.engine.sample = recording
             params = training_params(run)
             seconds, work = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
+            slots = [0.0, 0.0]  # real tokens, token slots of the padded batch
             updates = run.anchor.updates if run.anchor else 0
             for step in range(1, args.steps + 1 + args.profile):  # --profile: one step more, not counted
                 batches.clear()
@@ -215,6 +218,8 @@ def main() -> None:
                     seconds[phase] += record.get(f"time/{phase}_s", 0.0)
                 batch = Rollout.cat(batches, run.tokenizer.pad_token_id) if len(batches) > 1 else batches[0]
                 done = record["anchor/updates"] - updates
+                slots[0] += float(batch.attention_mask.sum())
+                slots[1] += batch.attention_mask.numel()
                 for phase, (f, b) in phase_work(cfg, shape_of(run.model), batch, done).items():
                     work[phase][0] += f
                     work[phase][1] += b
@@ -223,6 +228,20 @@ def main() -> None:
             run.close()
             distributed.close()
         s = shape_of(run.model)
+    # Measured again after the steps: a peak that moved says the machine was shared meanwhile; the
+    # bound takes the higher of the two, what the machine can do.
+    peak_after, bytes_after = peaks()
+    for name, before, after in (
+        ("GEMM float32", peak[torch.float32], peak_after[torch.float32]),
+        ("GEMM bfloat16", peak[torch.bfloat16], peak_after[torch.bfloat16]),
+        ("memory", bytes_per_s, bytes_after),
+    ):
+        unit = "GB/s" if name == "memory" else "GFLOP/s"
+        print(
+            f"machine, {threads} threads: {name} {before / 1e9:.0f} {unit} before the steps, {after / 1e9:.0f} after"
+        )
+    compute_peak = max(peak[getattr(torch, cfg.model.dtype)], peak_after[getattr(torch, cfg.model.dtype)])
+    bytes_per_s = max(bytes_per_s, bytes_after)
     measured = args.steps - 1
     total = sum(seconds.values())
     print(f"\n{args.model}: {s.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), N_lin {s.linear / 1e6:.2f}M, "
@@ -247,6 +266,9 @@ def main() -> None:
         )
         print(f"{phase:<10}{t:>8.3f}{t / (total / measured):>7.1%}{cells}")
     print(f"{'step':<10}{total / measured:>8.3f}")
+    print(
+        f"padding: {1 - slots[0] / slots[1]:.1%} of the batch's token slots (before each micro-batch is trimmed)"
+    )
     print(f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
     if args.profile:
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))

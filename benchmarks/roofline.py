@@ -66,36 +66,43 @@ from random_models import QWEN_05B, padded_tokenizer, random_qwen2
 PHASES = ("rollout", "scoring", "old_logp", "anchor", "update", "ema")
 
 
-def best_seconds(fn, repeats: int = 5) -> float:
-    """The fastest of `repeats` calls, after a warm-up call."""
+def best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+    """The fastest of `repeats` calls, after a warm-up call (a GPU's queue drained around each)."""
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
     best = math.inf
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def gemm_peak(dtype: torch.dtype) -> float:
+def gemm_peak(dtype: torch.dtype, device: torch.device) -> float:
     """FLOP/s of torch.mm on square matrices, the best of 1024, 2048 and 4096."""
     rates = []
     for n in (1024, 2048, 4096):
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        rates.append(2 * n**3 / best_seconds(lambda a=a, b=b: torch.mm(a, b), repeats=3))
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        rates.append(2 * n**3 / best_seconds(lambda a=a, b=b: torch.mm(a, b), device, repeats=3))
     return max(rates)
 
 
-def bandwidth() -> float:
+def bandwidth(device: torch.device) -> float:
     """Bytes/s of y += x over 256 MiB arrays: two streams read, one written in place, the access
     of AdamW's and the EMA's updates (a copy into a fresh array also reads its target first)."""
-    x, y = torch.ones(64 << 20), torch.ones(64 << 20)
-    return 3 * x.numel() * 4 / best_seconds(lambda: y.add_(x), repeats=10)
+    x, y = torch.ones(64 << 20, device=device), torch.ones(64 << 20, device=device)
+    return 3 * x.numel() * 4 / best_seconds(lambda: y.add_(x), device, repeats=10)
 
 
-def peaks() -> tuple[dict[torch.dtype, float], float]:
-    """GEMM FLOP/s per dtype and memory bytes/s."""
-    return {dtype: gemm_peak(dtype) for dtype in (torch.float32, torch.bfloat16)}, bandwidth()
+def peaks(device: torch.device) -> tuple[dict[torch.dtype, float], float]:
+    """GEMM FLOP/s per dtype and memory bytes/s of `device` (the trainer's)."""
+    return {dtype: gemm_peak(dtype, device) for dtype in (torch.float32, torch.bfloat16)}, bandwidth(device)
 
 
 @dataclass
@@ -189,9 +196,8 @@ def main() -> None:
         cfg = build(args, out)
         torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
         threads = torch.get_num_threads()
-        peak, bytes_per_s = peaks()
-
         device = distributed.init(device_of(cfg))
+        peak, bytes_per_s = peaks(device)
         run = setup(cfg, False, device)
         try:
             batches = []
@@ -230,7 +236,7 @@ def main() -> None:
         s = shape_of(run.model)
     # Measured again after the steps: a peak that moved says the machine was shared meanwhile; the
     # bound takes the higher of the two, what the machine can do.
-    peak_after, bytes_after = peaks()
+    peak_after, bytes_after = peaks(device)
     for name, before, after in (
         ("GEMM float32", peak[torch.float32], peak_after[torch.float32]),
         ("GEMM bfloat16", peak[torch.bfloat16], peak_after[torch.bfloat16]),
@@ -238,7 +244,7 @@ def main() -> None:
     ):
         unit = "GB/s" if name == "memory" else "GFLOP/s"
         print(
-            f"machine, {threads} threads: {name} {before / 1e9:.0f} {unit} before the steps, {after / 1e9:.0f} after"
+            f"machine ({device}, {threads} CPU threads): {name} {before / 1e9:.0f} {unit} before the steps, {after / 1e9:.0f} after"
         )
     compute_peak = max(peak[getattr(torch, cfg.model.dtype)], peak_after[getattr(torch, cfg.model.dtype)])
     bytes_per_s = max(bytes_per_s, bytes_after)

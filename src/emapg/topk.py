@@ -1,13 +1,15 @@
-"""Per-token summaries of a distribution over the vocabulary, computed in chunks of tokens.
+"""Per-token summaries of a distribution over the vocabulary, computed a slab of logits at a time.
 
 A summary keeps, per token, the logsumexp over the vocabulary, the logits gathered at a few
 requested ids (the sampled token and the top-k set q) and, when asked, this distribution's
 own top-k ids and its entropy. It is all the KL estimators need (emapg.kl.from_logprobs).
 
-Memory: only one chunk of `chunk_size` tokens is ever widened to fp32 [chunk, V]. Gradients
-flow through the logsumexp and the gathered logits by hand-written backward passes that
-recompute each chunk, so autograd never holds a [T, V] fp32 tensor either. From hidden
-states plus the LM head weight (`summarize_hidden`) not even the [T, V] logits exist.
+Memory: no more than `chunk_size` x V logits are ever widened to fp32 at once: from logits
+(`summarize`) a chunk of `chunk_size` tokens, from hidden states and the LM head weight
+(`summarize_hidden`, where not even the [T, V] logits exist) a tile of tokens against a block of
+the vocabulary (`_tiles`). Gradients flow through the logsumexp and the gathered logits by
+hand-written backward passes that recompute each chunk or slab, so autograd never holds a
+[T, V] fp32 tensor either.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def _chunk_grad_logits(x: Tensor, lse: Tensor, ids: Tensor, g_lse: Tensor, g_gat
 
 
 class _Forward:
-    """The outputs of a summary, and the token-chunk loop of `_SummarizeLogits`; `logits_of(a, b)` makes a chunk."""
+    """The outputs of a summary, and the token-chunk loop of `_SummarizeLogits` (`logits_of(a, b)`
+    makes a chunk)."""
 
     def __init__(self, n: int, m: int, topk: int, with_entropy: bool, like: Tensor):
         kw = {"dtype": wide_dtype(like), "device": like.device}

@@ -49,7 +49,7 @@ class _SamplingRecorder(LogitsProcessor):
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         if self._last is not None:  # the token sampled at the previous step is input_ids[:, -1]
             self.token_logp.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        tempered = scores.float() / self.temperature
+        tempered = scores.float() if self.temperature == 1 else scores.float() / self.temperature
         logp = torch.log_softmax(tempered, dim=-1)
         self._last = (
             logp if self.top_p is None else torch.log_softmax(self.top_p(input_ids, tempered), dim=-1)
@@ -105,10 +105,11 @@ class _RowSampler(LogitsProcessor):
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        scores = scores / self.temperature
+        if self.temperature != 1:  # each pass here is over [rows, vocabulary]: skip the no-ops
+            scores = scores / self.temperature
         if self.top_p is not None:
             scores = self.top_p(input_ids, scores)
-        cdf = torch.softmax(scores.double(), -1).cumsum(-1)
+        cdf = torch.softmax(scores, -1, dtype=torch.float64).cumsum_(-1)  # = softmax(double) bit for bit
         u = self.uniforms[:, self.step : self.step + 1]
         self.step += 1
         # The first token whose CDF reaches u (tokens of probability 0 never do).

@@ -9,7 +9,8 @@ and share of the step, the FLOP and bytes it must move, the FLOP/s it reached, t
 (the time the FLOP take at the GEMM peak, or the bytes at the bandwidth, whichever is longer)
 and the share of the bound it reached (bound seconds / measured seconds).
 
-    python benchmarks/roofline.py [--model tiny|qwen0.5b] [--steps 4] [--profile] [key=value ...]
+    python benchmarks/roofline.py [--config quickstart] [--model tiny|qwen0.5b] [--steps 4] [--profile]
+        [key=value ...]
     .venv-vllm/bin/python benchmarks/roofline.py --model qwen0.5b rollout.engine=vllm
 
 `tiny` is the quickstart as it trains (the warm-started tiny Llama, its batch; the warm start
@@ -165,7 +166,8 @@ def phase_work(cfg, s: Shape, batch: Rollout, anchor_updates: int) -> dict[str, 
 
 
 def build(args, out: str):
-    """The run's config: the quickstart, or it with a random Qwen2.5-0.5B-shaped model."""
+    """The run's config (`--config`, the quickstart by default), with a random Qwen2.5-0.5B-shaped
+    model for `--model qwen0.5b`."""
     overrides = [f"train.output_dir={out}", "train.progress=false", "train.tensorboard=false",
                  "anchor.update_period=1", "eval.kl=false"]  # fmt: skip
     if args.model == "qwen0.5b":
@@ -175,25 +177,28 @@ def build(args, out: str):
         tokenizer.save_pretrained(model_dir)
         overrides += [f"model.path={model_dir}", "rollout.prompts_per_step=4", "rollout.group_size=4",
                       "rollout.max_new_tokens=32", "algo.micro_batch_size=16"]  # fmt: skip
-    return load_config("quickstart", overrides + args.overrides)
+    return load_config(args.config, overrides + args.overrides)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=("tiny", "qwen0.5b"), default="tiny")
+    parser.add_argument("--config", default="quickstart", help="a shipped config or a YAML file")
+    parser.add_argument(
+        "--model", choices=("tiny", "qwen0.5b"), default="tiny", help="tiny: the config's own model"
+    )
     parser.add_argument("--steps", type=int, default=4, help="training steps; the first is a warm-up")
     parser.add_argument("--profile", action="store_true", help="then profile one more step's operators")
     parser.add_argument("overrides", nargs="*", help="key=value settings")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first is a warm-up)")
-    if args.model == "tiny":
-        pin_cpu_kernels()  # as `emapg train` does for builtin:tiny, before any kernel runs
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="emapg-roofline-") as out:
         cfg = build(args, out)
+        if cfg.model.path == "builtin:tiny":
+            pin_cpu_kernels()  # as `emapg train` does, before any kernel runs
         torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
         threads = torch.get_num_threads()
         device = distributed.init(device_of(cfg))
@@ -244,13 +249,13 @@ def main() -> None:
     ):
         unit = "GB/s" if name == "memory" else "GFLOP/s"
         print(
-            f"machine ({device}, {threads} CPU threads): {name} {before / 1e9:.0f} {unit} before the steps, {after / 1e9:.0f} after"
+            f"machine ({device}, {threads} CPU threads, {torch.backends.cpu.get_cpu_capability()} kernels): {name} {before / 1e9:.0f} {unit} before the steps, {after / 1e9:.0f} after"
         )
     compute_peak = max(peak[getattr(torch, cfg.model.dtype)], peak_after[getattr(torch, cfg.model.dtype)])
     bytes_per_s = max(bytes_per_s, bytes_after)
     measured = args.steps - 1
     total = sum(seconds.values())
-    print(f"\n{args.model}: {s.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), N_lin {s.linear / 1e6:.2f}M, "
+    print(f"\n{cfg.train.name}, {args.model} model: {s.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), N_lin {s.linear / 1e6:.2f}M, "
           f"vocabulary {s.vocab}; {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} sequences of <= "
           f"{cfg.rollout.max_new_tokens} new tokens; engine {cfg.rollout.engine}; kl {cfg.kl.estimator}; "
           f"mean of steps 2..{args.steps}")  # fmt: skip

@@ -5,7 +5,7 @@ and bfloat16, the best of square sizes 1024-4096; memory bandwidth, bytes/s of y
 256 MiB arrays, two reads and a write), before and after the steps (the bound uses the higher),
 then runs real training steps (`emapg.trainer.training_step`, after setting
 up the run as `emapg train` does, without its evaluations) and prints per phase: its seconds
-and share of the step, the FLOP and bytes it must move, the FLOP/s it reached, the bound
+and share of the step, the FLOP and bytes it must move, the FLOP/s and bytes/s it reached, the bound
 (the time the FLOP take at the GEMM peak, or the bytes at the bandwidth, whichever is longer)
 and the share of the bound it reached (bound seconds / measured seconds).
 
@@ -260,7 +260,7 @@ def main() -> None:
           f"{cfg.rollout.max_new_tokens} new tokens; engine {cfg.rollout.engine}; kl {cfg.kl.estimator}; "
           f"mean of steps 2..{args.steps}")  # fmt: skip
     print(
-        f"{'phase':<10}{'s/step':>8}{'share':>7}{'GFLOP':>9}{'GB':>8}{'GFLOP/s':>9}{'bound':>8}{'bound s':>9}{'of bound':>9}"
+        f"{'phase':<10}{'s/step':>8}{'share':>7}{'GFLOP':>9}{'GB':>8}{'GFLOP/s':>9}{'GB/s':>7}{'bound':>8}{'bound s':>9}{'of bound':>9}"
     )
     for phase in PHASES:
         if phase not in seconds or seconds[phase] == 0.0:
@@ -271,7 +271,7 @@ def main() -> None:
         bound = compute + memory if phase == "update" else max(compute, memory)
         kind = "-" if bound == 0 else ("GEMM" if compute >= memory else "memory")
         cells = (
-            f"{f / 1e9:>9.2f}{b / 1e9:>8.2f}{f / t / 1e9:>9.1f}{kind:>8}{bound:>9.3f}{bound / t:>9.1%}"
+            f"{f / 1e9:>9.2f}{b / 1e9:>8.2f}{f / t / 1e9:>9.1f}{b / t / 1e9:>7.1f}{kind:>8}{bound:>9.3f}{bound / t:>9.1%}"
             if bound
             else ""
         )

@@ -319,11 +319,10 @@ class _Stats:
     tensors on the model's device and read once per update: on a GPU each read waits for the
     queued work (the sums themselves are those of Python floats, bit for bit)."""
 
-    def __init__(self):
-        self.sums: Tensor | None = (
-            None  # policy loss, KL, clipped, tokens; clipped, tokens of the first minibatch
-        )
-        self.first_ratio_dev: Tensor | float = 0.0  # max |ratio - 1| over the first minibatch
+    def __init__(self, device: torch.device):
+        # policy loss, KL, clipped tokens, tokens; clipped tokens and tokens of the first minibatch
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self.first_ratio_dev = torch.zeros((), dtype=torch.float64, device=device)  # max |ratio - 1|
         self.grad_norms: list[float] = []
 
     def add(
@@ -332,22 +331,18 @@ class _Stats:
         def total(x: Tensor) -> Tensor:
             return x.sum().double()
 
-        zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+        zero = self.sums.new_zeros(())
         kl_sum = zero if kl_tok is None else total(kl_tok.detach() * mask)
         clipped_n, count = total(clipped & mask), total(mask)
         firsts = [clipped_n, count] if first else [zero, zero]
-        part = torch.stack([total(pg.detach() * mask), kl_sum, clipped_n, count, *firsts])
-        self.sums = part if self.sums is None else self.sums + part
+        self.sums += torch.stack([total(pg.detach() * mask), kl_sum, clipped_n, count, *firsts])
         if first:
             dev = torch.where(mask, (log_ratio.exp() - 1).abs(), 0.0).max().double()
-            self.first_ratio_dev = torch.maximum(
-                torch.as_tensor(self.first_ratio_dev, device=dev.device), dev
-            )
+            self.first_ratio_dev = torch.maximum(self.first_ratio_dev, dev)
 
     def reduced(self) -> dict:
         """Means over every process's tokens."""
-        values = [0.0] * 6 if self.sums is None else self.sums.tolist()
-        policy, kl_sum, clipped, count, first_clipped, first_count = distributed.sum_all(*values)
+        policy, kl_sum, clipped, count, first_clipped, first_count = distributed.sum_all(*self.sums.tolist())
         tokens = max(count, 1.0)
         return {
             "loss/policy": policy / tokens,
@@ -369,7 +364,7 @@ def update(
     drawn over the global batch (the same random stream as one process), each rank takes its
     rows, and the loss is divided by the global total, so the summed gradients are one process's.
     """
-    cfg, stats = run.cfg, _Stats()
+    cfg, stats = run.cfg, _Stats(batch.sequences.device)
     local = len(batch.texts)
     first = distributed.rank() * local
     # Responses cut at the length limit can be left out of the loss (DAPO's overlong masking).

@@ -216,7 +216,7 @@ def main() -> None:
             params = training_params(run)
             seconds, work = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
             slots = [0.0, 0.0]  # real tokens, token slots of the padded batch
-            updates = run.anchor.updates if run.anchor else 0
+            shape, updates = shape_of(run.model), 0  # updates: the anchor's count, read at each step
             for step in range(1, args.steps + 1 + args.profile):  # --profile: one step more, not counted
                 batches.clear()
                 profiling = step > args.steps
@@ -231,14 +231,13 @@ def main() -> None:
                 done = record["anchor/updates"] - updates
                 slots[0] += float(batch.attention_mask.sum())
                 slots[1] += batch.attention_mask.numel()
-                for phase, (f, b) in phase_work(cfg, shape_of(run.model), batch, done).items():
+                for phase, (f, b) in phase_work(cfg, shape, batch, done).items():
                     work[phase][0] += f
                     work[phase][1] += b
                 updates = record["anchor/updates"]
         finally:
             run.close()
             distributed.close()
-        s = shape_of(run.model)
     # Measured again after the steps: a peak that moved says the machine was shared meanwhile; the
     # bound takes the higher of the two, what the machine can do.
     peak_after, bytes_after = peaks(device)
@@ -255,8 +254,8 @@ def main() -> None:
     bytes_per_s = max(bytes_per_s, bytes_after)
     measured = args.steps - 1
     total = sum(seconds.values())
-    print(f"\n{cfg.train.name}, {args.model} model: {s.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), N_lin {s.linear / 1e6:.2f}M, "
-          f"vocabulary {s.vocab}; {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} sequences of <= "
+    print(f"\n{cfg.train.name}, {args.model} model: {shape.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), N_lin {shape.linear / 1e6:.2f}M, "
+          f"vocabulary {shape.vocab}; {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} sequences of <= "
           f"{cfg.rollout.max_new_tokens} new tokens; engine {cfg.rollout.engine}; kl {cfg.kl.estimator}; "
           f"mean of steps 2..{args.steps}")  # fmt: skip
     print(

@@ -26,7 +26,9 @@ BEFORE = json.loads((Path(__file__).parent / "data" / "shipped_configs_before.js
 NEW = {"task.ops": ["+"], "algo.loss": "ppo_clip", "algo.ratio_level": "token", "algo.dual_clip": 3.0,
        "algo.dynamic_sampling": False, "algo.max_sampling_rounds": 10, "algo.overlong_buffer": 0,
        "algo.overlong_penalty": 1.0, "eval.anchor": "auto", "eval.kl": False, "eval.datasets": [],
-       "task.max_query_chars": 1000, "task.busy_timeout_s": 600.0}  # fmt: skip
+       "task.max_query_chars": 1000, "task.busy_timeout_s": 600.0, "rollout.mode": "sync",
+       "rollout.max_staleness": 1, "rollout.workers": 1, "rollout.remote_workers": 0,
+       "rollout.worker_threads": 0, "rollout.address": "127.0.0.1:0", "rollout.worker_timeout_s": 600.0}  # fmt: skip
 
 
 def flat(config: dict) -> dict:

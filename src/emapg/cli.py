@@ -56,6 +56,15 @@ def _train(args) -> None:
     print(f"eval/accuracy {change}; run: {result['run_dir']}")
 
 
+def _rollout_worker(args) -> None:
+    from emapg.async_rollout.worker import serve
+
+    if args.rank < 1:
+        raise EmapgError(f"--rank {args.rank}: workers have ranks 1 and up (0 is the trainer)")
+    import_user_modules(args.imports)
+    serve(args.address, args.rank, args.threads)
+
+
 def _sft(args) -> None:
     from emapg.config import load_config
     from emapg.models import pin_cpu_kernels
@@ -240,6 +249,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from the run's last complete checkpoint"
     )
     train.set_defaults(func=_train)
+    worker = sub.add_parser(
+        "rollout-worker",
+        help="serve as an async run's rollout worker, on this host or another (docs/training.md)",
+        description="Join the run whose trainer listens at --address (its rollout.address, a fixed port) "
+        "as worker --rank: rollout.workers + 1 .. rollout.workers + rollout.remote_workers. The run's "
+        "config and model directory come from the trainer; the model directory must be readable here.",
+    )
+    worker.add_argument("--address", required=True, help="the trainer's rollout.address, HOST:PORT")
+    worker.add_argument("--rank", type=int, required=True, help="this worker's rank (1 or more)")
+    worker.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    worker.add_argument(
+        "--import", dest="imports", action="append", default=[], metavar="MODULE",
+        help="a module to import first (the run's task or engine, if a user's)",
+    )  # fmt: skip
+    worker.set_defaults(func=_rollout_worker)
     sft = sub.add_parser("sft", help="build (or reuse) the cached supervised warm start of builtin:tiny")
     _add_config_arguments(sft)
     sft.set_defaults(func=_sft)

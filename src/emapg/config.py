@@ -113,6 +113,14 @@ class Config(Section):
             "eval.anchor=true with LoRA and rollout.engine=vllm: the engine takes merged policy weights "
             "only; evaluate the anchor with rollout.engine=hf",
         )
+        if r.mode == "async":
+            check(
+                a.old_logp != "engine",
+                "algo.old_logp=engine with rollout.mode=async: a worker's log-probs are of the weights it "
+                "sampled with, not those the update starts from; use algo.old_logp=recompute (or auto)",
+            )
+            for ok, what in ((not a.dynamic_sampling, "algo.dynamic_sampling"), (not self.lora.r, "lora.r")):
+                check(ok, f"{what} is not supported with rollout.mode=async yet; use rollout.mode=sync")
         check(
             not self.lora.r or self.anchor_dtype == self.model.dtype,
             f"anchor.dtype={self.anchor.dtype}: with LoRA the anchor is an adapter of the policy's own "
@@ -146,11 +154,15 @@ class Config(Section):
         the live module in model.dtype, so at top_p = 1 its recorded log-probs are pi_old already
         (the same weights and kernels, up to the KV cache's rounding) and a pass would change
         nothing. vLLM has kernels (and on a GPU a dtype) of its own, and top_p < 1 samples from a
-        truncated distribution: there the engine's log-probs are mu, not pi_old."""
+        truncated distribution: there the engine's log-probs are mu, not pi_old. An async worker
+        samples with weights up to rollout.max_staleness steps older than the update's."""
         if self.algo.old_logp != "auto":
             return self.algo.old_logp == "recompute"
         r = self.rollout
-        return not (r.engine == "hf" and self.engine_dtype == self.model.dtype and r.top_p == 1)
+        same = (
+            r.engine == "hf" and self.engine_dtype == self.model.dtype and r.top_p == 1 and r.mode == "sync"
+        )
+        return not same
 
     def check_world(self, world: int) -> None:
         """What multi-process training (torchrun, `world` processes) supports; one line each."""
@@ -160,6 +172,10 @@ class Config(Section):
             raise EmapgError(
                 f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by the {world} "
                 "processes (each rank takes whole groups)"
+            )
+        if self.rollout.mode == "async":
+            raise EmapgError(
+                f"rollout.mode=async trains in one process (its workers are separate); torchrun started {world}"
             )
         if self.lora.r:
             raise EmapgError(

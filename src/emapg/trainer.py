@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from transformers.utils import logging as hf_logging
 from emapg import checkpoint, distributed, dynamic_sampling, kl, lora
 from emapg.advantages import advantages, overlong_shaping
 from emapg.anchor import Anchor
+from emapg.async_rollout.workers import RolloutWorkers
 from emapg.config import Config
 from emapg.dynamic_sampling import Round, uniform_groups
 from emapg.errors import EmapgError
@@ -280,6 +282,18 @@ def device_of(cfg: Config) -> torch.device:
     return torch.device(cfg.train.device)
 
 
+@dataclass
+class Requested:
+    """An async batch asked of a worker: for which step, its rows, and the weights it is drawn with."""
+
+    step: int
+    examples: list[Example]
+    drawn_at: int  # training steps done when it was asked for: the version of its weights
+    version: object  # the engine's name for those weights (as pushed; the worker reports it back)
+    sampler_state: dict  # the prompt sampler before this batch's prompts
+    ticket: tuple[int, int]  # (worker, request), for RolloutWorkers.result
+
+
 CHECKPOINT_FORMAT = 2  # 2: trainer state as TrainerState; 1 (no "format" key): the same fields
 
 
@@ -307,12 +321,15 @@ class Run:
     log: MetricsLog | None  # rank 0 alone writes the run's files
     start: int = 0  # the step a resumed run continues after
     state: TrainerState = field(default_factory=TrainerState)
+    requested: deque[Requested] = field(default_factory=deque)  # async: batches asked for, oldest first
+    next_request: int = 1  # async: the step whose batch is asked for next
 
     def save(self, step: int) -> None:
         extra = {
             "format": CHECKPOINT_FORMAT,
             "trainer": asdict(self.state),
-            "sampler": self.sampler.state(),
+            # async: the prompts of batches asked for but not trained on are taken again on resume
+            "sampler": self.requested[0].sampler_state if self.requested else self.sampler.state(),
             "anchor": self.anchor.state_dict() if self.anchor else None,
         }
         checkpoint.save(
@@ -405,54 +422,61 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     check_context(cfg, model, tokenizer, train_examples + eval_examples, task)
     if validation is not None:
         check_context(cfg, model, tokenizer, [e for v in validation.examples.values() for e in v])
-    engine = make_engine(cfg, model, tokenizer, model_dir)  # a missing vLLM stops here, before training
-    if cfg.lora.r:  # the base is frozen; the engine's model carries the adapters from here on
-        model = lora.wrap(model, cfg.lora)
-    model.to(device).train()
-    if cfg.train.gradient_checkpointing:
-        checkpoint_activations(model)
-    anchor = make_anchor(cfg, model)
-    initial = initial_weights(cfg, model, anchor) if cfg.eval.kl else None
-    distributed.shard(model)
-    optimizer, scheduler = make_optimizer(
-        [p for p in model.parameters() if p.requires_grad],  # with LoRA: the policy adapter alone
-        cfg.optim,
-        lr=cfg.lora.lr if cfg.lora.r else cfg.optim.lr,
-        total_steps=cfg.train.steps * cfg.algo.epochs * cfg.algo.minibatches,
-    )
-    run = Run(
-        cfg=cfg,
-        task=task,
-        train_examples=train_examples,
-        eval_examples=eval_examples,
-        model=model,
-        tokenizer=tokenizer,
-        eos=eos_ids(model, tokenizer),
-        vocab=model.get_output_embeddings().weight.shape[0],
-        engine=engine,
-        scorer=scorer,
-        anchor=anchor,
-        initial=initial,
-        validation=validation,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        sampler=PromptSampler(train_examples, cfg.train.seed),
-        run_dir=run_dir,
-        log=None,
-    )
-    if last:
-        run.resume(last[0])
-    if distributed.is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        run.log = MetricsLog(
-            run_dir,
-            resume_step=run.start if last else None,
-            tensorboard=cfg.train.tensorboard,
-            wandb=cfg.train.wandb,
-            config=cfg.model_dump(),
+    if cfg.rollout.mode == "async":  # workers start here, and load while the trainer sets up
+        engine = RolloutWorkers(cfg, model_dir)
+    else:
+        engine = make_engine(cfg, model, tokenizer, model_dir)  # a missing vLLM stops here, before training
+    try:  # a failure from here on closes the engine (an async run's workers) before it is raised
+        if cfg.lora.r:  # the base is frozen; the engine's model carries the adapters from here on
+            model = lora.wrap(model, cfg.lora)
+        model.to(device).train()
+        if cfg.train.gradient_checkpointing:
+            checkpoint_activations(model)
+        anchor = make_anchor(cfg, model)
+        initial = initial_weights(cfg, model, anchor) if cfg.eval.kl else None
+        distributed.shard(model)
+        optimizer, scheduler = make_optimizer(
+            [p for p in model.parameters() if p.requires_grad],  # with LoRA: the policy adapter alone
+            cfg.optim,
+            lr=cfg.lora.lr if cfg.lora.r else cfg.optim.lr,
+            total_steps=cfg.train.steps * cfg.algo.epochs * cfg.algo.minibatches,
         )
-    return run
+        run = Run(
+            cfg=cfg,
+            task=task,
+            train_examples=train_examples,
+            eval_examples=eval_examples,
+            model=model,
+            tokenizer=tokenizer,
+            eos=eos_ids(model, tokenizer),
+            vocab=model.get_output_embeddings().weight.shape[0],
+            engine=engine,
+            scorer=scorer,
+            anchor=anchor,
+            initial=initial,
+            validation=validation,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            sampler=PromptSampler(train_examples, cfg.train.seed),
+            run_dir=run_dir,
+            log=None,
+        )
+        if last:
+            run.resume(last[0])
+        if distributed.is_main():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+            run.log = MetricsLog(
+                run_dir,
+                resume_step=run.start if last else None,
+                tensorboard=cfg.train.tensorboard,
+                wandb=cfg.train.wandb,
+                config=cfg.model_dump(),
+            )
+        return run
+    except BaseException:
+        engine.close()
+        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,14 +527,66 @@ def sample_batch(run: Run, params: SamplingParams) -> tuple[list[Example], Rollo
     return examples, batch
 
 
-def sampled_groups(run: Run, params: SamplingParams, timer: PhaseTimer) -> tuple[Round, dict]:
+def request_ahead(run: Run, step: int, params: SamplingParams, timer: PhaseTimer) -> None:
+    """Async: ask the workers for every batch up to step + rollout.max_staleness (and the run's
+    last) not yet asked for, drawn with the weights this step starts from (after step - 1
+    steps), pushed first."""
+    cfg = run.cfg
+    while run.next_request <= min(step + cfg.rollout.max_staleness, cfg.train.steps):
+        with timer("weight_sync"):
+            run.engine.sync_weights(run.model, run.state.optimizer_steps)
+        state = run.sampler.state()
+        examples = [
+            e for e in run.sampler.take(cfg.rollout.prompts_per_step) for _ in range(cfg.rollout.group_size)
+        ]
+        ticket = run.engine.request(examples, params, rows=range(len(examples)))
+        run.requested.append(
+            Requested(run.next_request, examples, step - 1, run.engine.version, state, ticket)
+        )
+        run.next_request += 1
+
+
+def requested_batch(run: Run, step: int, timer: PhaseTimer) -> tuple[list[Example], Rollout, dict]:
+    """Async: this step's batch, asked for up to rollout.max_staleness steps ago (waited for if
+    its worker has not finished), and its metrics: the version of the weights that drew it, its
+    staleness in steps and the worker's throughput."""
+    asked = run.requested.popleft()
+    with timer("wait_for_rollout"):
+        answer = run.engine.result(asked.ticket)
+    staleness = step - 1 - asked.drawn_at
+    if asked.step != step or answer["version"] != asked.version or staleness > run.cfg.rollout.max_staleness:
+        raise EmapgError(
+            f"async rollout: step {step} got the batch of step {asked.step}, drawn with weights "
+            f"{answer['version']!r} (asked: {asked.version!r}, staleness {staleness})"
+        )
+    batch = answer["rollout"].to(next(run.model.parameters()).device)
+    tokens = int(batch.response_mask.sum())
+    return (
+        asked.examples,
+        batch,
+        {
+            "rollout/version": asked.drawn_at,
+            "rollout/staleness_mean": float(staleness),  # one request per step: every row shares it
+            "rollout/staleness_max": staleness,
+            "rollout/worker_tokens_per_s": tokens / max(answer["seconds"], 1e-9),
+        },
+    )
+
+
+def sampled_groups(run: Run, params: SamplingParams, timer: PhaseTimer, step: int) -> tuple[Round, dict]:
     """This step's groups (this rank's rows, on the policy's device) with their task rewards, and
-    the sampling metrics: one round, or dynamic sampling's rounds (dynamic_sampling.py)."""
-    cfg, counts = run.cfg, {"errors": 0, "timeouts": 0}
+    the sampling metrics: one round, dynamic sampling's rounds (dynamic_sampling.py), or (async)
+    the batch a worker drew ahead."""
+    cfg, counts, extra = run.cfg, {"errors": 0, "timeouts": 0}, {}
 
     def one_round() -> Round:
-        with timer("rollout"):
-            examples, batch = sample_batch(run, params)
+        if cfg.rollout.mode == "async":
+            request_ahead(run, step, params, timer)
+            examples, batch, async_metrics = requested_batch(run, step, timer)
+            extra.update(async_metrics)
+        else:
+            with timer("rollout"):
+                examples, batch = sample_batch(run, params)
         with timer("scoring"):
             scored = run.scorer(batch.texts, examples)
         counts["errors"] += scored.errors
@@ -531,6 +607,7 @@ def sampled_groups(run: Run, params: SamplingParams, timer: PhaseTimer) -> tuple
     )
     return got, {
         **metrics,
+        **extra,
         "sampling/uniform_frac": uniform / groups,
         "reward/errors": int(errors),
         "reward/timeouts": int(timeouts),
@@ -551,7 +628,7 @@ def training_step(run: Run, step: int, params: SamplingParams) -> dict:
     """One step: rollout, rewards and advantages, pi_old and the anchor pass, the update, the
     EMA; returns the step's metrics."""
     cfg, model, timer = run.cfg, run.model, PhaseTimer()
-    got, sampling_metrics = sampled_groups(run, params, timer)
+    got, sampling_metrics = sampled_groups(run, params, timer, step)
     batch, examples = got.batch, got.examples
     lengths = batch.response_mask.sum(-1).cpu()
     with timer("scoring"):
@@ -608,6 +685,7 @@ def train_loop(run: Run) -> dict:
         if run.log:
             run.log.log({"step": 0, "eval/accuracy": state.accuracy, **eval_metrics})
     params = training_params(run)
+    run.next_request = run.start + 1
     bar = tqdm(
         range(run.start + 1, cfg.train.steps + 1),
         desc=cfg.train.name,

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
-from pydantic import StringConstraints
+from pydantic import StringConstraints, model_validator
 from torch import Tensor, nn
 
-from emapg.settings import Float, Section, setting
+from emapg.settings import Float, Section, check, setting
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -204,6 +204,44 @@ class RolloutSettings(Section):
     )
     batch_size: int = setting(256, "sequences per generate call (training and evaluation)", ge=1)
     engine: str = setting("hf", "a registered engine: hf (transformers generate) or vllm (docs/vllm.md)")
+    mode: Literal["sync", "async"] = setting(
+        "sync",
+        "sync: the trainer samples each batch itself; async: rollout worker processes sample the next "
+        "batches while the trainer updates (docs/training.md, 'Async rollouts')",
+    )
+    max_staleness: int = setting(
+        1,
+        "async: policy versions a batch may lag the weights it trains (0: drawn with those weights; "
+        "1: one step off)",
+        ge=0,
+    )
+    workers: int = setting(1, "async: rollout worker processes the trainer starts on this host", ge=0)
+    remote_workers: int = setting(
+        0, "async: workers started elsewhere with `emapg rollout-worker --address HOST:PORT --rank N`", ge=0
+    )
+    worker_threads: int = setting(0, "async: torch threads in each local worker (0: torch's default)", ge=0)
+    address: str = setting(
+        "127.0.0.1:0",
+        "async: host:port where workers meet the trainer (port 0: a free one; remote workers need a "
+        "fixed port and an address they can reach)",
+        pattern=r"^[^:\s]+:\d{1,5}$",
+    )
+    worker_timeout_s: Float = setting(
+        600.0, "async: seconds to wait for workers to start, and for any one message from them", gt=0
+    )
+
+    @model_validator(mode="after")
+    def _async_rules(self) -> RolloutSettings:
+        check(
+            self.mode == "sync" or self.workers + self.remote_workers > 0,
+            "rollout.mode=async needs rollout.workers or rollout.remote_workers > 0",
+        )
+        check(
+            not self.remote_workers or not self.address.endswith(":0"),
+            f"rollout.remote_workers={self.remote_workers} need a fixed port in rollout.address "
+            f"(got {self.address!r}): they cannot learn a port chosen at random",
+        )
+        return self
 
 
 @dataclass(frozen=True)

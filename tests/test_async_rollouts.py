@@ -60,9 +60,13 @@ def test_staleness_zero_gives_the_synchronous_run(tmp_path, tiny_model_dir):
 
 def test_batches_stay_within_the_staleness_bound_over_two_workers(tmp_path, tiny_model_dir):
     cfg = config(tmp_path, tiny_model_dir, *ASYNC, "rollout.max_staleness=2", "rollout.workers=2",
-                 "train.steps=6", "train.eval_every=6", "train.save_every=6")  # fmt: skip
+                 "train.steps=6", "train.eval_every=6", "train.save_every=2", "train.keep_checkpoints=3")  # fmt: skip
     trainer.train(cfg)
     steps = records(tmp_path / "quickstart")[1:]
+    # The checkpoint after step 2 resumes the prompts from step 3 on (8 taken: 2 steps of 4),
+    # though the batches of steps 3 and 4 had already been asked for.
+    saved = json.loads((tmp_path / "quickstart/checkpoints/step_2/state.json").read_text())
+    assert saved["sampler"] == {"epoch": 0, "position": 8}
     # Checked from the logged versions: a batch trained at step t was drawn with the weights after
     # `version` steps, and at most 2 steps old; the workers stay as far ahead as allowed.
     assert [t["step"] - 1 - t["rollout/version"] for t in steps] == [0, 1, 2, 2, 2, 2]
@@ -154,7 +158,9 @@ def test_a_worker_that_cannot_start_stops_the_run_with_its_reason(tmp_path, tiny
     """The engine fails inside the worker (vLLM is not installed in the default environment, or
     here a missing model directory): the trainer's one line carries the worker's own."""
     cfg = config(tmp_path, tiny_model_dir, *ASYNC)
-    with pytest.raises(EmapgError, match=r"rollout worker 1 stopped \(exit code 1\): \w+Error: .*no-such-dir"):
+    with pytest.raises(
+        EmapgError, match=r"rollout worker 1 stopped \(exit code 1\): \w+Error: .*no-such-dir"
+    ):
         RolloutWorkers(cfg, str(tmp_path / "no-such-dir"))
 
 

@@ -79,6 +79,22 @@ def test_training_through_vllm_runs_and_repeats_exactly(model_dir, tmp_path):
     assert first == second
 
 
+def test_async_training_through_a_vllm_worker(model_dir, tmp_path):
+    """A worker process running vLLM samples one step ahead: its batches are drawn with the
+    weights of the step before (pushed over the link, then into vLLM by its reload path) and the
+    run repeats exactly: requests and weights reach the worker in one order."""
+    extra = ("rollout.mode=async", "rollout.max_staleness=1", "rollout.worker_threads=1", "train.threads=1")
+    first, second = _train(model_dir, tmp_path / "a", *extra), _train(model_dir, tmp_path / "b", *extra)
+    assert [r.get("rollout/version") for r in first] == [None, 0, 0, 1]
+    assert all(r["grad_norm"] > 0 for r in first[1:])
+    assert first[2]["mismatch/kl"] > 0  # one step stale: mu is not pi_old
+
+    def untimed(records):  # the worker's tokens per second is a timing
+        return [{k: v for k, v in r.items() if k != "rollout/worker_tokens_per_s"} for r in records]
+
+    assert untimed(first) == untimed(second)
+
+
 def _torchrun(*args: str) -> None:
     """2 gloo processes, each with its own vLLM engine (1 thread, a small KV cache each)."""
     torchrun(2, *args, "train.threads=1", "rollout.vllm_gpu_memory_utilization=0.05", timeout=600)

@@ -49,7 +49,9 @@ class Worker:
         self.model, self.tokenizer = load_model_and_tokenizer(
             model_dir, dtype=getattr(torch, cfg.model.dtype)
         )
-        self.model.to(device).eval()
+        # The hf engine samples with this model; any other engine holds its own copy of the
+        # weights (vLLM), and this one only receives them: it stays in host memory.
+        self.model.to(device if cfg.rollout.engine == "hf" else "cpu").eval()
         self.engine = make_engine(cfg, self.model, self.tokenizer, model_dir)
         self.task = make_task(cfg)
         self.multi_turn = self.task.environment() is not None
@@ -94,16 +96,16 @@ def serve(address: str, rank: int, threads: int = 0) -> None:
     size = int(store.get("size"))
     if not 1 <= rank < size:
         raise EmapgError(f"rank {rank}: the run at {address} has workers of ranks 1 to {size - 1}")
-    for module in json.loads(store.get("modules")):  # what registers the run's task and engine
-        importlib.import_module(module)
-    cfg = build(json.loads(store.get("config")))
-    if cfg.model.path == "builtin:tiny":
-        pin_cpu_kernels()  # before the first kernel, as in the trainer
-    if threads:
-        torch.set_num_threads(threads)
-    store.set(f"joined/{rank}", str(os.getpid()))
-    pg = link.group(store, rank, size, link.GROUP_TIMEOUT_S)
     try:
+        for module in json.loads(store.get("modules")):  # what registers the run's task and engine
+            importlib.import_module(module)
+        cfg = build(json.loads(store.get("config")))
+        if cfg.model.path == "builtin:tiny":
+            pin_cpu_kernels()  # before the first kernel, as in the trainer
+        if threads:
+            torch.set_num_threads(threads)
+        store.set(f"joined/{rank}", str(os.getpid()))
+        pg = link.group(store, rank, size, link.GROUP_TIMEOUT_S)
         worker = Worker(cfg, store.get("model_dir").decode())
         sent = link.Sent()  # answers in flight: the worker reads on while the trainer is busy
         link.send(pg, {"kind": "ready", "id": None}, link.TRAINER, link.TO_TRAINER, sent)
@@ -113,9 +115,8 @@ def serve(address: str, rank: int, threads: int = 0) -> None:
                 answer = {"kind": "answer", "id": message["id"], **answer}
                 link.send(pg, answer, link.TRAINER, link.TO_TRAINER, sent)
             sent.reap(link.TRAINER)
-        sent.wait(link.TRAINER)  # the trainer reads every answer before it says stop
-        worker.engine.close()
+        worker.engine.close()  # answers still in flight are dropped: a stopping trainer reads none
     except Exception as e:
-        if not link.peer_gone(e):  # the trainer learns why from the store when this process is gone
+        if not link.peer_gone(e):  # the trainer learns why from the store once this process is gone
             store.set(f"error/{rank}", f"{type(e).__name__}: {e}".splitlines()[0])
         raise

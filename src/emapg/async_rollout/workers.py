@@ -37,6 +37,14 @@ def user_modules(cfg) -> list[str]:
     return sorted(m for m in found if m != "__main__" and not m.startswith("emapg."))
 
 
+def with_call_seed(params: SamplingParams) -> SamplingParams:
+    """`params` with the call seed an engine in the trainer would draw from the trainer's
+    generator (rollout.hf), drawn here: a worker then samples what the trainer would have."""
+    if params.seed is not None or params.greedy:
+        return params
+    return replace(params, seed=int(torch.randint(0, 1 << 62, ())))
+
+
 class RolloutWorkers:
     """The trainer's handle on its rollout workers (see the module doc)."""
 
@@ -77,10 +85,12 @@ class RolloutWorkers:
         for rank in self.ranks:
             while not self.store.check([f"joined/{rank}"]):
                 process = self.processes.get(rank)
-                if process is not None and process.exitcode is not None:
-                    raise EmapgError(
-                        f"rollout worker {rank} exited with code {process.exitcode} before joining"
-                    )
+                if (
+                    self.store.check([f"error/{rank}"])
+                    or process is not None
+                    and process.exitcode is not None
+                ):
+                    raise EmapgError(f"rollout worker {rank} stopped before joining{self._why(rank)}")
                 if time.monotonic() > deadline:
                     raise EmapgError(
                         f"rollout worker {rank} did not join at {self.address} within "
@@ -101,15 +111,22 @@ class RolloutWorkers:
         except RuntimeError as e:
             if not link.peer_gone(e):
                 raise
-            process = self.processes.get(rank)
-            code = f" (exit code {process.join(5) or process.exitcode})" if process is not None else ""
-            why = (
-                f": {self.store.get(f'error/{rank}').decode()}" if self.store.check([f"error/{rank}"]) else ""
-            )
             raise EmapgError(
-                f"rollout worker {rank} stopped{code}{why}; the run stops here, its checkpoints intact: "
-                "`emapg train --resume` continues from the last"
+                f"rollout worker {rank} stopped{self._why(rank)}; the run stops here, its checkpoints "
+                "intact: `emapg train --resume` continues from the last"
             ) from None
+
+    def _why(self, rank: int) -> str:
+        """What is known of why worker `rank` stopped: a local one's exit code, and the error
+        line a worker leaves in the store."""
+        process = self.processes.get(rank)
+        if process is not None:
+            process.join(5)
+        code = (
+            f" (exit code {process.exitcode})" if process is not None and process.exitcode is not None else ""
+        )
+        error = f": {self.store.get(f'error/{rank}').decode()}" if self.store.check([f"error/{rank}"]) else ""
+        return code + error
 
     def _send(self, rank: int, message: dict) -> int:
         """Send a request to `rank` without waiting; its id, to find its answer by."""
@@ -144,6 +161,7 @@ class RolloutWorkers:
 
     def sample(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, rows=None) -> Rollout:
         rows = list(range(len(prompt_ids))) if rows is None else list(rows)
+        params = with_call_seed(params)
         rank = self.ranks[0]
         message = {
             "kind": "sample",
@@ -175,8 +193,7 @@ class RolloutWorkers:
         """Ask the next worker in turn for one step's responses to `examples`, drawn with the
         weights last pushed; returns (worker, request) for `result`. The call seed is drawn here,
         from the trainer's generator, as an engine in the trainer would draw it."""
-        if params.seed is None and not params.greedy:
-            params = replace(params, seed=int(torch.randint(0, 1 << 62, ())))
+        params = with_call_seed(params)
         rank = self.ranks[self.turn % len(self.ranks)]
         self.turn += 1
         message = {"kind": "batch", "examples": examples, "params": params, "rows": list(rows)}

@@ -76,9 +76,10 @@ class Sent:
         """Drop the sends to `peer` that have completed."""
         self.pending[peer] = [(w, t) for w, t in self.pending.get(peer, []) if not w.is_completed()]
 
-    def wait(self, peer: int) -> None:
+    def wait(self, peer: int, timeout_s: float = 0) -> None:
+        """Wait for the sends to `peer` (timeout_s > 0: at most that long each, then raise)."""
         for work, _ in self.pending.pop(peer, []):
-            work.wait()
+            work.wait(timedelta(seconds=timeout_s))
 
 
 def send(pg: dist.ProcessGroup, message: dict, peer: int, tag: int, sent: Sent | None = None) -> None:

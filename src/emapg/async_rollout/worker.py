@@ -117,6 +117,7 @@ def serve(address: str, rank: int, threads: int = 0) -> None:
             sent.reap(link.TRAINER)
         worker.engine.close()  # answers still in flight are dropped: a stopping trainer reads none
     except Exception as e:
-        if not link.peer_gone(e):  # the trainer learns why from the store once this process is gone
-            store.set(f"error/{rank}", f"{type(e).__name__}: {e}".splitlines()[0])
+        if link.peer_gone(e):
+            raise EmapgError(f"the trainer at {address} went away before saying stop") from None
+        store.set(f"error/{rank}", f"{type(e).__name__}: {e}".splitlines()[0])  # the trainer reads why
         raise

@@ -37,6 +37,9 @@ def user_modules(cfg) -> list[str]:
     return sorted(m for m in found if m != "__main__" and not m.startswith("emapg."))
 
 
+STOP_S = 30  # seconds a worker is given to read its stop, and a local one to exit
+
+
 def with_call_seed(params: SamplingParams) -> SamplingParams:
     """`params` with the call seed an engine in the trainer would draw from the trainer's
     generator (rollout.hf), drawn here: a worker then samples what the trainer would have."""
@@ -175,13 +178,18 @@ class RolloutWorkers:
         """Nothing to free: the workers' memory is their own."""
 
     def close(self) -> None:
-        """Tell every worker to stop and wait for the local ones (killed if they do not stop)."""
+        """Tell every worker to stop, give each STOP_S to read it (its connection must not close
+        under it), and wait for the local ones (killed if they do not stop)."""
         if self.pg is not None:
+            stops = link.Sent()
             for rank in self.ranks:
                 with suppress(RuntimeError):  # a worker already gone
-                    link.send(self.pg, {"kind": "stop", "id": None}, rank, link.TO_WORKER, self.sent)
+                    link.send(self.pg, {"kind": "stop", "id": None}, rank, link.TO_WORKER, stops)
+            for rank in self.ranks:
+                with suppress(RuntimeError):  # gone, or still busy with an earlier request
+                    stops.wait(rank, timeout_s=STOP_S)
         for process in self.processes.values():
-            process.join(30)
+            process.join(STOP_S)
             if process.is_alive():
                 process.kill()
                 process.join()

@@ -106,22 +106,22 @@ def recv(pg: dist.ProcessGroup, peer: int, tag: int) -> dict:
 def buckets(model: nn.Module) -> tuple[list[dict], list[Tensor]]:
     """The model's parameters as flat CPU buckets of one dtype each (a copy: training may go on
     while they are sent), and each bucket's layout: its dtype and (name, shape) per parameter.
-    A tied parameter comes once, under its first name, and the worker's model ties it too."""
-    layouts, flats, group, size = [], [], [], 0
+    A parameter larger than BUCKET_BYTES travels alone. A tied parameter comes once, under its
+    first name, and the worker's model ties it too."""
+    layouts, flats, members, size = [], [], [], 0
 
     def close():
-        if group:
-            layouts.append(
-                {"dtype": str(group[0][1].dtype), "params": [(n, list(p.shape)) for n, p in group]}
-            )
-            flats.append(torch.cat([p.detach().reshape(-1).cpu() for _, p in group]))
+        if members:
+            dtype = str(members[0][1].dtype)
+            layouts.append({"dtype": dtype, "params": [(n, list(p.shape)) for n, p in members]})
+            flats.append(torch.cat([p.detach().reshape(-1).cpu() for _, p in members]))
 
     for name, param in model.named_parameters():
         nbytes = param.numel() * param.element_size()
-        if group and (size + nbytes > BUCKET_BYTES or param.dtype != group[0][1].dtype):
+        if members and (size + nbytes > BUCKET_BYTES or param.dtype != members[0][1].dtype):
             close()
-            group, size = [], 0
-        group.append((name, param))
+            members, size = [], 0
+        members.append((name, param))
         size += nbytes
     close()
     return layouts, flats

@@ -88,11 +88,8 @@ class RolloutWorkers:
         for rank in self.ranks:
             while not self.store.check([f"joined/{rank}"]):
                 process = self.processes.get(rank)
-                if (
-                    self.store.check([f"error/{rank}"])
-                    or process is not None
-                    and process.exitcode is not None
-                ):
+                exited = process is not None and process.exitcode is not None
+                if exited or self.store.check([f"error/{rank}"]):
                     raise EmapgError(f"rollout worker {rank} stopped before joining{self._why(rank)}")
                 if time.monotonic() > deadline:
                     raise EmapgError(
@@ -136,6 +133,7 @@ class RolloutWorkers:
         self.next_id += 1
         with self._link(rank):
             link.send(self.pg, {**message, "id": self.next_id}, rank, link.TO_WORKER, self.sent)
+        self.sent.reap(rank)
         return self.next_id
 
     def _answer(self, rank: int, request: int) -> dict:

@@ -116,7 +116,10 @@ def test_a_killed_worker_stops_the_run_and_the_last_checkpoint_resumes(tmp_path,
     assert [p.name for p in checkpoint.list_checkpoints(ckpts)] == ["step_2"]
     monkeypatch.setattr(trainer, "training_step", step)
     trainer.train(config(tmp_path, tiny_model_dir, *common), resume=True)
-    assert [r["step"] for r in records(tmp_path / "quickstart")] == list(range(7))
+    recs = records(tmp_path / "quickstart")
+    assert [r["step"] for r in recs] == list(range(7))
+    # The resumed run keeps the bound: its first batch is drawn with the checkpoint's weights.
+    assert [r["step"] - 1 - r["rollout/version"] for r in recs[1:]] == [0, 1, 0, 1, 1, 1]
     assert [p.name for p in checkpoint.list_checkpoints(ckpts)][-1] == "step_6"
 
 

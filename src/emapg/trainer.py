@@ -503,13 +503,16 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         distributed.close()
 
 
+def step_examples(run: Run) -> list[Example]:
+    """The next step's prompts from the sampler, each repeated for its group."""
+    r = run.cfg.rollout
+    return [e for e in run.sampler.take(r.prompts_per_step) for _ in range(r.group_size)]
+
+
 def sample_batch(run: Run, params: SamplingParams) -> tuple[list[Example], Rollout]:
     """This step's prompts, each repeated for its group, and the responses sampled for this
     rank's rows (whole groups) with the policy's current weights."""
-    cfg = run.cfg
-    examples = [
-        e for e in run.sampler.take(cfg.rollout.prompts_per_step) for _ in range(cfg.rollout.group_size)
-    ]
+    examples = step_examples(run)
     rows = distributed.shard_rows(len(examples))  # whole groups: prompts_per_step % world == 0
     examples = examples[rows]
     run.engine.sync_weights(run.model, run.state.optimizer_steps)
@@ -519,7 +522,7 @@ def sample_batch(run: Run, params: SamplingParams) -> tuple[list[Example], Rollo
         run.task,
         examples,
         params,
-        chat_template=cfg.model.chat_template,
+        chat_template=run.cfg.model.chat_template,
         eos=run.eos,
         rows=range(rows.start, rows.stop),
     ).to(next(run.model.parameters()).device)
@@ -536,9 +539,7 @@ def request_ahead(run: Run, step: int, params: SamplingParams, timer: PhaseTimer
         with timer("weight_sync"):
             run.engine.sync_weights(run.model, run.state.optimizer_steps)
         state = run.sampler.state()
-        examples = [
-            e for e in run.sampler.take(cfg.rollout.prompts_per_step) for _ in range(cfg.rollout.group_size)
-        ]
+        examples = step_examples(run)
         ticket = run.engine.request(examples, params, rows=range(len(examples)))
         run.requested.append(
             Requested(run.next_request, examples, step - 1, run.engine.version, state, ticket)

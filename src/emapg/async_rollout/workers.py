@@ -18,7 +18,6 @@ import json
 import time
 from collections.abc import Hashable, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
@@ -26,7 +25,7 @@ from torch import nn
 
 from emapg.async_rollout import link, worker
 from emapg.errors import EmapgError
-from emapg.rollout import ENGINES, Rollout, SamplingParams
+from emapg.rollout import ENGINES, Rollout, SamplingParams, with_call_seed
 from emapg.tasks import TASKS
 
 
@@ -38,14 +37,6 @@ def user_modules(cfg) -> list[str]:
 
 
 STOP_S = 30  # seconds a worker is given to read its stop, and a local one to exit
-
-
-def with_call_seed(params: SamplingParams) -> SamplingParams:
-    """`params` with the call seed an engine in the trainer would draw from the trainer's
-    generator (rollout.hf), drawn here: a worker then samples what the trainer would have."""
-    if params.seed is not None or params.greedy:
-        return params
-    return replace(params, seed=int(torch.randint(0, 1 << 62, ())))
 
 
 class RolloutWorkers:

@@ -17,6 +17,7 @@ from emapg.rollout.base import (
     SamplingParams,
     eos_ids,
     left_pad,
+    with_call_seed,
 )
 from emapg.settings import Registry
 
@@ -47,4 +48,5 @@ __all__ = [
     "left_pad",
     "make_engine",
     "register_engine",
+    "with_call_seed",
 ]

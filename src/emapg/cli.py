@@ -103,7 +103,10 @@ def _eval(args) -> None:
     values = {**protocol.PROTOCOLS[args.protocol], **given, "chat_template": not args.no_chat_template}
     options = {k: "--" + k.replace("_", "-") for k in names}  # a problem names the option
     settings = validated(settings_class, values, "eval", options)
-    results = protocol.evaluate(args.model, args.data, args.out, settings, progress=not args.no_progress)
+    from emapg.models import model_folder
+
+    model = model_folder(args.model, progress=not args.no_progress)  # a GGUF: its converted folder
+    results = protocol.evaluate(model, args.data, args.out, settings, progress=not args.no_progress)
     if not results:  # a process other than rank 0 under torchrun
         return
     print(protocol.table(results), end="")
@@ -288,7 +291,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--import", dest="imports", action="append", default=[], metavar="MODULE",
         help="with --run: a module to import first (the run's task, if a user's)",
     )  # fmt: skip
-    ev.add_argument("--model", help="local model directory (safetensors, with tokenizer)")
+    ev.add_argument(
+        "--model", help="local model directory (safetensors, with tokenizer), a .gguf file, or smollm2"
+    )
     ev.add_argument(
         "--data",
         nargs="+",

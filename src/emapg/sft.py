@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
-from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
 from emapg.prompts import encode_prompts
 from emapg.rewards import RewardScorer
 from emapg.rollout import SamplingParams, eos_ids
@@ -43,7 +43,8 @@ WARM_START_VERSION = 3
 
 
 class WarmStartSettings(Section):
-    """The `warmstart` section: the supervised warm start that makes builtin:tiny able to answer at all."""
+    """The `warmstart` section: the supervised warm start that makes builtin:tiny able to answer at
+    all, and that teaches a pretrained model (warmstart.pretrained) the task's answer format."""
 
     key: ClassVar[str] = "warmstart"
     steps: int = setting(
@@ -55,6 +56,9 @@ class WarmStartSettings(Section):
         0.35, "stop SFT at this held-out sampled accuracy (0: run all steps)", ge=0, le=1
     )
     cache_dir: str = setting("~/.cache/emapg", "where warm starts are cached")
+    pretrained: bool = setting(
+        False, "warm-start a pretrained model.path too (builtin:tiny always is), e.g. on the answer format"
+    )
     model_kwargs: dict = setting({}, "build_tiny_model settings, e.g. {max_position_embeddings: 256}")
 
     @field_validator("model_kwargs")
@@ -184,9 +188,11 @@ def warm_start(
     sft_kwargs: dict[str, Any] | None = None,
     target_accuracy: float | None = 0.35,
     num_val: int = 200,
+    base: str | None = None,
     progress: bool = True,
 ) -> Path:
-    """Build the tiny tokenizer and model, SFT them on the recipe's examples, cache the result.
+    """Build the tiny tokenizer and model (or load the model folder `base`), SFT them on the
+    recipe's examples, cache the result.
 
     SFT stops once the sampled accuracy (temperature 1, two samples per prompt) on `num_val`
     training problems held out from SFT reaches `target_accuracy`, checked every
@@ -202,7 +208,7 @@ def warm_start(
     """
     model_kwargs = {**DEFAULT_MODEL_KWARGS, **(model_kwargs or {})}
     sft_kwargs = {**DEFAULT_SFT_KWARGS, **(sft_kwargs or {})}
-    settings = _settings(recipe, model_kwargs, sft_kwargs, target_accuracy, num_val)
+    settings = _settings(recipe, model_kwargs, sft_kwargs, target_accuracy, num_val, base)
     examples = recipe.examples
     if target_accuracy is not None and len(examples) <= num_val:
         raise EmapgError(f"warm_start: num_val={num_val} needs more than {len(examples)} training examples")
@@ -214,8 +220,11 @@ def warm_start(
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tokenizer = build_tiny_tokenizer(**settings.get("tokenizer_kwargs", {}))
-    model = build_tiny_model(tokenizer, **model_kwargs)
+    if base is None:
+        tokenizer = build_tiny_tokenizer(**settings.get("tokenizer_kwargs", {}))
+        model = build_tiny_model(tokenizer, **model_kwargs)
+    else:
+        model, tokenizer = load_model_and_tokenizer(base)
     val_history: list[tuple[int, float]] = []
     with contextlib.ExitStack() as stack:
         stop = None
@@ -241,26 +250,38 @@ def warm_start(
     return final
 
 
-def _settings(recipe: WarmStartRecipe, model_kwargs, sft_kwargs, target_accuracy, num_val) -> dict:
+def _settings(recipe: WarmStartRecipe, model_kwargs, sft_kwargs, target_accuracy, num_val, base) -> dict:
     """What the cached warm start is keyed by: every setting, defaults included (so changing a
-    default never reuses a stale model), and a hash of the examples."""
+    default never reuses a stale model), a hash of the examples, and the base model's files."""
     data_hash = hashlib.sha256()
     for ex in recipe.examples:
         data_hash.update(f"{ex.prompt}\0{ex.answer}\0".encode())
     skip_sft = ("model", "tokenizer", "examples", "stop", "progress")
+    if base is None:
+        model = {"model_kwargs": _with_defaults(build_tiny_model, model_kwargs, skip=("tokenizer",))}
+        # Only when set, so the keys of existing caches stay valid.
+        model |= {"tokenizer_kwargs": {"extra_chars": recipe.extra_chars}} if recipe.extra_chars else {}
+    else:
+        model = {"base": _folder_identity(base)}
     return {
         "version": WARM_START_VERSION,
         "task": recipe.task.name,
         "train_examples_sha256": data_hash.hexdigest(),
-        "model_kwargs": _with_defaults(build_tiny_model, model_kwargs, skip=("tokenizer",)),
+        **model,
         "sft_kwargs": _with_defaults(sft, sft_kwargs, skip=skip_sft),
-        # Only when set, so the keys of existing caches stay valid.
-        **({"tokenizer_kwargs": {"extra_chars": recipe.extra_chars}} if recipe.extra_chars else {}),
         "target_accuracy": target_accuracy,
         "num_val": num_val if target_accuracy is not None else 0,
         # The kernels decide the model too (models.pin_cpu_kernels): AVX2 and AVX-512 give two.
         "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
     }
+
+
+def _folder_identity(folder: str) -> dict:
+    """A model folder as a cache key: its path and every file's size and modification time (a
+    converted GGUF's folder name already carries the file's digest)."""
+    path = Path(folder).resolve()
+    return {"path": str(path),
+            "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(path.iterdir()) if f.is_file()}}  # fmt: skip
 
 
 def _accuracy_stop(

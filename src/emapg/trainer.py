@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, distributed, dynamic_sampling, kl, lora
+from emapg import checkpoint, distributed, dynamic_sampling, gguf_models, kl, lora
 from emapg.advantages import advantages, overlong_shaping
 from emapg.anchor import Anchor
 from emapg.async_rollout.workers import RolloutWorkers
@@ -31,7 +31,7 @@ from emapg.evaluation import HeldOut, held_out
 from emapg.lora import AdapterAnchor
 from emapg.math_eval import ValidationSets, validation_metrics
 from emapg.metrics import MetricsLog, PhaseTimer
-from emapg.models import checkpoint_activations, load_model_and_tokenizer, pin_cpu_kernels
+from emapg.models import checkpoint_activations, load_model_and_tokenizer, model_folder, pin_cpu_kernels
 from emapg.optim import make_optimizer
 from emapg.prompts import encode_prompts
 from emapg.rewards import RewardScorer, Scored
@@ -226,22 +226,25 @@ def validate(run: Run, prefix: str) -> dict:
 
 
 def load_policy(cfg: Config, task: Task, progress: bool):
-    """The policy model and tokenizer, and the directory they load from (builtin:tiny: the
-    cached warm start, built first when missing)."""
+    """The policy model and tokenizer, and the directory they load from: a GGUF file's cached
+    Hugging Face folder, and the cached warm start (builtin:tiny, or warmstart.pretrained),
+    each built first when missing."""
     dtype = getattr(torch, cfg.model.dtype)
-    path = cfg.model.path
-    if path == "builtin:tiny":
-        from emapg.sft import warm_start
+    path, builtin = cfg.model.path, cfg.model.path == "builtin:tiny"
+    with distributed.main_first():  # rank 0 converts and warm-starts (cached), the others load
+        if gguf_models.is_gguf(path):
+            path = model_folder(path, cfg.model.cache_dir, progress=progress and distributed.is_main())
+        if builtin or cfg.warmstart.pretrained:
+            from emapg.sft import warm_start
 
-        w = cfg.warmstart
-        sft_kwargs = {"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr, "seed": cfg.train.seed}
-        with distributed.main_first():  # rank 0 builds the cached warm start, the others load it
+            w = cfg.warmstart
             path = warm_start(
                 Path(w.cache_dir).expanduser(),
                 recipe=warm_start_recipe(cfg.task.name, task),
-                sft_kwargs=sft_kwargs,
+                sft_kwargs={"steps": w.steps, "batch_size": w.batch_size, "lr": w.lr, "seed": cfg.train.seed},
                 model_kwargs=w.model_kwargs,
                 target_accuracy=w.target_accuracy or None,
+                base=None if builtin else path,
                 progress=progress and distributed.is_main(),
             )
     return (*load_model_and_tokenizer(path, dtype=dtype), str(path))

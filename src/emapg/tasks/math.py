@@ -25,6 +25,8 @@ __all__ = ["PROMPT", "MathSettings", "MathTask", "from_config"]
 PROMPT = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 SAMPLE_TRAIN, SAMPLE_EVAL = DATA_DIR / "math_train.jsonl", DATA_DIR / "math_eval.jsonl"
+# task.samples -> the shipped files' stem (emapg.data.math_samples makes both sets)
+SAMPLE_SETS = {"word_problems": "math", "sums": "sums"}
 # The built-in character tokenizer needs these for the instruction and for "\boxed{...}".
 TINY_EXTRA_CHARS = "\\{}%" + string.ascii_uppercase
 
@@ -52,6 +54,11 @@ class MathSettings(ProblemSettings):
         [], "training data (.jsonl/.json/.parquet, schema told by its fields); empty: the shipped samples"
     )
     eval_files: list[str] = setting([], "held-out data (same formats); empty: the shipped samples")
+    samples: Literal[tuple(SAMPLE_SETS)] = setting(
+        "word_problems",
+        "the shipped sample set used where no files are given: word_problems (arithmetic and "
+        "algebra) or sums (two-digit additions)",
+    )
     schema: Literal[SCHEMA_NAMES] = setting(
         "auto",
         "schema of the data files; auto tells it by the fields, and question+answer by the answer "
@@ -131,9 +138,10 @@ def from_config(cfg) -> MathTask:
         loaded = [p for f in files for p in load_problems(f, t.schema)] if files else load_problems(default)
         return loaded[:limit]
 
+    stem = SAMPLE_SETS[t.samples]
     return MathTask(
-        problems(t.train_files, SAMPLE_TRAIN, t.num_train),
-        problems(t.eval_files, SAMPLE_EVAL, t.num_eval),
+        problems(t.train_files, DATA_DIR / f"{stem}_train.jsonl", t.num_train),
+        problems(t.eval_files, DATA_DIR / f"{stem}_eval.jsonl", t.num_eval),
         format_reward=t.format_reward,
         prompt=t.prompt or PROMPT,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,25 @@ def test_warm_start_is_cached_and_loads(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(AssertionError, match="recomputed"):
         _small_warm_start(tmp_path, steps=4)  # other settings, other key: computes
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp dir left behind
+
+
+def test_a_pretrained_base_is_warm_started_from_its_own_weights(tmp_path: Path, tiny_model_dir: str) -> None:
+    """warmstart.pretrained: SFT starts from the folder's model (not a new tiny one), the result is
+    cached under a key that names the base's files, and a changed base is trained again."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    cache = tmp_path / "cache"
+    path = _small_warm_start(cache, base=str(base))
+    assert _small_warm_start(cache, base=str(base)) == path  # reused
+    record = json.loads((path / "warm_start.json").read_text())
+    assert "model_kwargs" not in record and "model.safetensors" in record["base"]["files"]
+    start, _ = load_model_and_tokenizer(base)
+    tuned, _ = load_model_and_tokenizer(path)
+    assert tuned.config.num_attention_heads == start.config.num_attention_heads == 2  # model_kwargs would give 1
+    moved = [n for n, p in start.state_dict().items() if not torch.equal(p, tuned.state_dict()[n])]
+    assert moved and all((tuned.state_dict()[n] - start.state_dict()[n]).abs().max() < 0.1 for n in moved)
+    start.save_pretrained(base, safe_serialization=True)  # rewritten: other mtimes, another key
+    assert _small_warm_start(cache, base=str(base)) != path
 
 
 def test_warm_start_killed_midway_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -192,15 +192,16 @@ def test_async_needs_one_trainer_process():
 )
 def test_async_quickstart_learns(tmp_path):
     """The quickstart's own warm start and settings, one step off-policy: held-out accuracy rises
-    (33.4% -> 44.6% after 20 steps when written; 800 held-out problems: a standard error of 1.7
-    points, so 5 points is more than 3 below what was measured)."""
+    by 5 points in 40 steps (800 held-out problems: a standard error of 1.7 points). Measured:
+    33.4% -> 44.6% after 20 steps when written; on an AMX Xeon, whose warm start ends elsewhere
+    (tests/test_first_steps.py), 23.5% -> 25.6% after 20 and 31.8% after 40 (+8.3), so 40 steps."""
     out = tmp_path / "runs"
     subprocess.run(
         [sys.executable, "-m", "emapg", "train", f"train.output_dir={out}", f"warmstart.cache_dir={tmp_path}",
-         "train.steps=20", "train.eval_every=20", "train.progress=false", "train.tensorboard=false",
+         "train.steps=40", "train.eval_every=40", "train.progress=false", "train.tensorboard=false",
          "rollout.mode=async", "rollout.max_staleness=1"],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     recs = records(out / "quickstart")
     assert recs[-1]["eval/accuracy"] >= recs[0]["eval/accuracy"] + 0.05
-    assert [r["step"] - 1 - r["rollout/version"] for r in recs[1:]] == [0] + [1] * 19
+    assert [r["step"] - 1 - r["rollout/version"] for r in recs[1:]] == [0] + [1] * 39

@@ -198,9 +198,9 @@ def test_async_quickstart_learns(tmp_path):
     out = tmp_path / "runs"
     subprocess.run(
         [sys.executable, "-m", "emapg", "train", f"train.output_dir={out}", f"warmstart.cache_dir={tmp_path}",
-         "train.steps=40", "train.eval_every=40", "train.progress=false", "train.tensorboard=false",
+         "train.steps=40", "train.eval_every=20", "train.progress=false", "train.tensorboard=false",
          "rollout.mode=async", "rollout.max_staleness=1"],
-        check=True, capture_output=True, timeout=600,
+        check=True, capture_output=True, timeout=1200,
     )  # fmt: skip
     recs = records(out / "quickstart")
     assert recs[-1]["eval/accuracy"] >= recs[0]["eval/accuracy"] + 0.05

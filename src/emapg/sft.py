@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from emapg.errors import EmapgError
 from emapg.evaluation import sample_and_score
-from emapg.models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
+from emapg.models import DEFAULT_CACHE, build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
 from emapg.prompts import encode_prompts
 from emapg.rewards import RewardScorer
 from emapg.rollout import SamplingParams, eos_ids
@@ -55,7 +55,7 @@ class WarmStartSettings(Section):
     target_accuracy: Float = setting(
         0.35, "stop SFT at this held-out sampled accuracy (0: run all steps)", ge=0, le=1
     )
-    cache_dir: str = setting("~/.cache/emapg", "where warm starts are cached")
+    cache_dir: str = setting(DEFAULT_CACHE, "where warm starts are cached")
     pretrained: bool = setting(
         False, "warm-start a pretrained model.path too (builtin:tiny always is), e.g. on the answer format"
     )

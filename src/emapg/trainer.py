@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, distributed, dynamic_sampling, gguf_models, kl, lora
+from emapg import checkpoint, distributed, dynamic_sampling, kl, lora
 from emapg.advantages import advantages, overlong_shaping
 from emapg.anchor import Anchor
 from emapg.async_rollout.workers import RolloutWorkers
@@ -232,8 +232,7 @@ def load_policy(cfg: Config, task: Task, progress: bool):
     dtype = getattr(torch, cfg.model.dtype)
     path, builtin = cfg.model.path, cfg.model.path == "builtin:tiny"
     with distributed.main_first():  # rank 0 converts and warm-starts (cached), the others load
-        if gguf_models.is_gguf(path):
-            path = model_folder(path, cfg.model.cache_dir, progress=progress and distributed.is_main())
+        path = model_folder(path, cfg.model.cache_dir, progress=progress and distributed.is_main())
         if builtin or cfg.warmstart.pretrained:
             from emapg.sft import warm_start
 

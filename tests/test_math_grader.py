@@ -110,13 +110,25 @@ SYMBOLIC_SUMS = [  # sums and products whose bounds are symbols
     ("\\prod_{i=1}^{m} i", "m!", 0.0),  # SymPy leaves the product unevaluated
     ("\\prod_{k=1}^{n} \\frac{k+1}{k}", "n+1", 0.0),
 ]
+POLYNOMIALS = [  # powers and products of sums, and nesting, within the multiplied-out and depth limits
+    ("(x+1)^{10}", "(1+x)^{10}", 1.0),
+    ("(a+b)^{2}", "a^2+2ab+b^2", 1.0),
+    (
+        "(x+1)(x+2)(x+3)(x+4)(x+5)(x+6)(x+7)(x+8)(x+9)(x+10)",  # 2^10 products, 11 terms
+        "(x+10)(x+9)(x+8)(x+7)(x+6)(x+5)(x+4)(x+3)(x+2)(x+1)",
+        1.0,
+    ),
+    ("\\left(\\left(x+1\\right)^{2}+1\\right)^{2}", "(x^2+2x+2)^2", 1.0),
+    ("\\frac{1}{1+\\frac{1}{1+\\frac{1}{1+\\frac{1}{2}}}}", "\\frac{5}{8}", 1.0),  # nested 5 deep
+    ("(a+b+c)^{3}", "(a+b+c)^{2}", 0.0),
+]
 
 
 def _plain_math_verify(answer: str, reference: str) -> float:
     return float(verify(parse(f"\\boxed{{{reference}}}"), parse(f"\\boxed{{{answer}}}")))
 
 
-@pytest.mark.parametrize("answer,reference,expected", EXPONENTS + SYMBOLIC_SUMS)
+@pytest.mark.parametrize("answer,reference,expected", EXPONENTS + SYMBOLIC_SUMS + POLYNOMIALS)
 def test_ordinary_answers_grade_as_plain_math_verify(answer, reference, expected, monkeypatch):
     # math-verify's default time limits on both sides: on a busy machine 1 s may cut one short
     monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 5)
@@ -214,14 +226,70 @@ ADVERSARIAL = [
     ("\\boxed{\\sum_{k=1}^{n+10^{9}} k}", "1", 0.0),
     ("\\boxed{\\sum_{k=1}^{10^{9}} k}", "1", 0.0),
     ("\\boxed{2^{2^{2^{2^{2^{2}}}}}}", "1", 0.0),
+    # off the main thread these took 110 s and over 120 s before the nesting and expansion guards
+    ("\\boxed{" + "{" * 19 + "1" + "}" * 19 + "}", "1", 0.0),
+    ("\\boxed{(a+b+c+d)^{60}}", "1", 0.0),  # 39,711 terms multiplied out
+    ("\\boxed{" + "(" * 30 + "1" + ")" * 30 + "}", "1", 0.0),
+    ("\\boxed{\\sin((a+b+c+d)^{60})}", "1", 0.0),
+    ("\\boxed{(" + ", ".join(f"x_{{{i}}}" for i in range(100)) + ")}", "1", 0.0),  # only the time limit
 ]
+# The issue's bound is 2 s a response. 10 s leaves a loaded test machine room while still failing
+# on the hangs these cases caused (110 s, over 120 s): a case is cut at TIME_LIMIT_S, 1 s.
+LIMIT_S = 10.0
 
 
+def _in_thread(where: str, fn):
+    """fn() in the main thread or a worker one (where math-verify's signal timeouts cannot work,
+    as in a reward function called from a thread pool); None if it has not returned in LIMIT_S."""
+    if where == "main thread":
+        return fn()
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)  # a hang must not block exit
+    thread.start()
+    thread.join(timeout=LIMIT_S)
+    return result[0] if result else None
+
+
+@pytest.mark.parametrize("where", ["main thread", "worker thread"])
 @pytest.mark.parametrize("response,reference,expected", ADVERSARIAL, ids=lambda v: repr(v)[:30])
-def test_adversarial_inputs_are_graded_within_a_second(response, reference, expected):
+def test_adversarial_inputs_are_graded_within_the_limit_in_any_thread(response, reference, expected, where):
     start = time.perf_counter()
-    assert score(response, reference) == expected
-    assert time.perf_counter() - start < 1.0
+    assert _in_thread(where, lambda: score(response, reference)) == expected
+    assert time.perf_counter() - start < LIMIT_S
+
+
+def test_the_time_limit_stops_python_in_a_worker_thread():
+    def spin():
+        try:
+            with math_grader._time_limit(0.1):
+                while True:
+                    pass
+        except math_grader.OutOfTime:
+            return "stopped"
+
+    assert _in_thread("worker thread", spin) == "stopped"
+
+
+def test_the_time_limit_never_fires_past_its_block():
+    """Blocks that end about when their limit passes: OutOfTime is raised inside the `with`
+    statement or not at all, never in the code after it."""
+
+    def run() -> tuple[int, int]:
+        stopped = leaked = 0
+        for i in range(200):
+            ended = False
+            try:
+                with math_grader._time_limit(0.001):
+                    sum(range(5000 * i))  # from well under the limit to well over it (~10 ms)
+                ended = True
+                sum(range(20_000))
+            except math_grader.OutOfTime:
+                stopped += not ended
+                leaked += ended
+        return stopped, leaked
+
+    stopped, leaked = _in_thread("worker thread", run)
+    assert leaked == 0 and stopped > 0
 
 
 def test_safe_off_the_main_thread():
@@ -271,7 +339,12 @@ def test_has_boxed_answer():
         ("\\boxed{x^{10^{100}}}", "x", "digits"),
         ("\\boxed{5}", "(10^{7})!", "digits"),  # the reference is guarded too
         ("\\boxed{\\sum_{i=1}^{10^{9}} i}", "5", "terms"),
+        ("\\boxed{(a+b+c+d)^{60}}", "1", "terms"),  # multiplied out
+        ("\\boxed{(a+b+c)^{3}}", "1", None),
         ("\\boxed{" + "{" * 30 + "5" + "}" * 30 + "}", "5", "nesting"),
+        ("\\boxed{" + "(" * 8 + "5" + ")" * 8 + "}", "5", "nesting"),  # parentheses count too
+        ("\\boxed{" + ")" * 20 + "(" * 9 + "5}", "5", "nesting"),  # stray closers make no room
+        ("\\boxed{[1, 2) \\cup ((3, 4] \\cup [5, 6))}", "1", None),  # an interval closes as it opens
         ("\\boxed{1}", "".join(f"\\boxed{{{i}}}" for i in range(1, 30)), "boxes"),
         ("\\boxed{" + "1" * MAX_ANSWER_CHARS + "}", "1", "length"),
         ("\\boxed{e^{-x^2}}", "\\exp(-x^2)", None),
@@ -282,3 +355,8 @@ def test_has_boxed_answer():
 def test_refusal_names_the_guard(response, reference, guard):
     assert math_grader.refusal(response, reference) == guard
     assert guard is None or guard in math_grader.GUARDS
+
+
+def test_refusal_names_the_time_limit(monkeypatch):
+    monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 0.05)  # a 90-element tuple parses for longer
+    assert math_grader.refusal("\\boxed{(" + ", ".join(f"y_{{{i}}}" for i in range(90)) + ")}", "1") == "time"

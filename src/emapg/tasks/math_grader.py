@@ -19,20 +19,31 @@ never hands math-verify anything it cannot finish quickly:
    neither order of a pair grades differently from the other.
 1. size ("length", "boxes", "nesting"): only the text from a `\\boxed` on, at most MAX_ANSWER_CHARS
    of it, is read, and a list of boxes is at most as long (a longer answer never closes); a
-   reference has at most MAX_REFERENCE_BOXES boxes. Brace nesting deeper than MAX_BRACE_DEPTH is
-   refused (the LaTeX parser's time grows steeply with depth): `\\boxed{{{...{5}...}}}`.
+   reference has at most MAX_REFERENCE_BOXES boxes. Brackets (braces, parentheses, square
+   brackets) nested deeper than MAX_NESTING are refused: the LaTeX parser's time, and for
+   braces (nested sets) the comparison's, grow about 1.5-2x with each level (braces 19 deep
+   took 110 s), while real answers nest a few levels (at most 4, the box's own brace included,
+   in math-verify's 266 cases).
 2. magnitude ("digits", "terms"): parsing does not evaluate (`2^{10^{100}}` stays a Pow tree), so
    before the comparison, which does evaluate, both trees are checked: a number, power or
    factorial whose value would have more than MAX_DIGITS digits is refused (`2^{10^{100}}`,
-   `(10^{7})!`, `x^{10^{100}}`), and so is a sum or product of more than MAX_TERMS terms
-   (`\\sum_{i=1}^{10^{9}} i`). The bound is on values, not on how an expression is written: a
-   decimal counts the digits of its magnitude (`2^{0.5}` passes), a symbolic exponent
-   (`e^{-x^2}`, `2^{n(n+1)/2}`) only the numbers in it (`2^{10^{100} x}` is refused), and a sum
-   or product over a symbolic range (`\\sum_{k=1}^{n} k`), which SymPy never expands, passes
-   when its term is at most MAX_SYMBOLIC_TERM_DIGITS digits.
-3. time: math-verify's own per-parse and per-comparison limits (signal based, so only in the
-   main thread; elsewhere steps 1-2 are the guard). Training also runs `score` in a worker
-   process with a hard time limit (emapg.rewards), since MathTask does not claim to be safe.
+   `(10^{7})!`, `x^{10^{100}}`), and so is a sum or product of more than MAX_TERMS terms, written
+   (`\\sum_{i=1}^{10^{9}} i`) or multiplied out: SymPy's simplification expands, and
+   `(a+b+c+d)^{60}` is a sum of 39,711 terms (over 120 s), so an integer power of a sum counts
+   its multinomial terms and a product multiplies its factors' terms. The bound is on values,
+   not on how an expression is written: a decimal counts the digits of its magnitude
+   (`2^{0.5}` passes), a symbolic exponent (`e^{-x^2}`, `2^{n(n+1)/2}`) only the numbers in it
+   (`2^{10^{100} x}` is refused), and a sum or product over a symbolic range
+   (`\\sum_{k=1}^{n} k`), which SymPy never expands, passes when its term is at most
+   MAX_SYMBOLIC_TERM_DIGITS digits.
+3. time ("time"): parsing and comparing one pair stop at TIME_LIMIT_S, in whatever thread `score`
+   runs. math-verify's own limits use signal.alarm, which only works in the main thread, and a
+   reward function called from a thread pool (as TRL's are) would have none; so math-verify runs
+   without them and `_time_limit` raises in the grading thread itself (the interpreter's
+   asynchronous exception, which like a signal handler interrupts Python code, not one C call:
+   steps 1-2 keep those short). This bounds what no rule foresees (a 100-element tuple takes
+   seconds to parse). Training also runs `score` in a worker process with a hard time limit
+   (emapg.rewards), since MathTask does not claim to be safe.
 
 Refused or failing inputs score 0, except a boxed answer written exactly as the reference;
 `refusal` names the guard (GUARDS) that refused a pair.
@@ -40,11 +51,14 @@ Refused or failing inputs score 0, except a boxed answer written exactly as the 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import logging
 import math
 import re
 import threading
+import time
 
 import sympy
 from math_verify import LatexExtractionConfig, parse, verify
@@ -53,19 +67,20 @@ from emapg.tasks.math_data import BOXED
 
 THINK_END = "</think>"  # R1-style reasoning ends here; only what follows is graded
 MAX_ANSWER_CHARS = 1000  # from "\boxed" on; real answers are far shorter
-MAX_BRACE_DEPTH = 20
+MAX_NESTING = 8  # of brackets, the box's own brace included
 MAX_REFERENCE_BOXES = 20  # a solution boxes one answer, or a few
 MAX_DIGITS = 10_000  # of any number the comparison may compute
-MAX_TERMS = 1000  # of a sum or product the comparison may expand
+MAX_TERMS = 1000  # of a sum or product the comparison may expand, or multiply out
 MAX_SYMBOLIC_TERM_DIGITS = 50  # of the term of a sum or product over k = 1..n (its closed form)
-TIME_LIMIT_S = 1  # per parse and per comparison (math-verify takes whole seconds)
+TIME_LIMIT_S = 1.0  # to parse and compare one pair
 
 GUARDS = {  # what `refusal` returns, each a class of answer the grader will not compare
     "length": f"a boxed answer (or list of them) longer than MAX_ANSWER_CHARS = {MAX_ANSWER_CHARS} characters",
     "boxes": f"a reference with more than MAX_REFERENCE_BOXES = {MAX_REFERENCE_BOXES} boxed answers",
-    "nesting": f"braces nested deeper than MAX_BRACE_DEPTH = {MAX_BRACE_DEPTH}",
+    "nesting": f"brackets ({{ ( [) nested deeper than MAX_NESTING = {MAX_NESTING}",
     "digits": f"a number with more than MAX_DIGITS = {MAX_DIGITS} digits, e.g. 2^{{10^{{100}}}}",
-    "terms": f"a sum or product of more than MAX_TERMS = {MAX_TERMS} terms",
+    "terms": f"a sum or product of more than MAX_TERMS = {MAX_TERMS} terms, written or multiplied out",
+    "time": f"parsing takes longer than TIME_LIMIT_S = {TIME_LIMIT_S:g} s (comparing has the same limit)",
 }
 # What may divide the boxes of one final answer: whitespace, punctuation, math delimiters, LaTeX
 # spacing and line breaks, the words "and" / "or", a \text{} note inside the math, and a label
@@ -95,14 +110,15 @@ def score(response: str, reference: str) -> float:
     written = _content(answer)
     if written is not None and written == _content(gold_text):  # the one way a refused answer scores
         return 1.0
-    if not (_small_text(answer) and _small_text(gold_text)):
-        return 0.0
-    gold, pred = _parse(gold_text), _parse(answer)
-    if not gold or not pred or any(_guard(e) for e in gold + pred):
+    if not (_shallow(answer) and _shallow(gold_text)):
         return 0.0
     try:
-        return 1.0 if verify(_exact(gold), _exact(pred), timeout_seconds=_time_limit()) else 0.0
-    except Exception:  # math-verify swallows its own errors; this is for what it cannot
+        with _time_limit(TIME_LIMIT_S):
+            gold, pred = _parse(gold_text), _parse(answer)
+            if not gold or not pred or any(_guard(e) for e in gold + pred):
+                return 0.0
+            return 1.0 if verify(_exact(gold), _exact(pred), timeout_seconds=None) else 0.0
+    except (Exception, OutOfTime):  # math-verify swallows its own errors; this is for what it cannot
         return 0.0
 
 
@@ -120,9 +136,13 @@ def refusal(response: str, reference: str) -> str | None:
     if _content(answer) is None:  # the last box does not close within MAX_ANSWER_CHARS: does it ever?
         text = final_part(response)
         return "length" if _box_end(text[text.rfind(BOXED) :]) is not None else None
-    if not (_small_text(answer) and _small_text(gold_text)):
+    if not (_shallow(answer) and _shallow(gold_text)):
         return "nesting"
-    return next((why for e in _parse(gold_text) + _parse(answer) if (why := _guard(e))), None)
+    try:
+        with _time_limit(TIME_LIMIT_S):
+            return next((why for e in _parse(gold_text) + _parse(answer) if (why := _guard(e))), None)
+    except OutOfTime:
+        return "time"
 
 
 def final_answer(response: str) -> str | None:
@@ -226,29 +246,82 @@ def _content(boxed: str) -> str | None:
     return None if end is None else "".join(boxed[len(BOXED) + 1 : end].split())
 
 
-def _small_text(text: str) -> bool:
+def _shallow(text: str) -> bool:
+    """Whether no bracket is nested deeper than MAX_NESTING, counting braces, parentheses and
+    square brackets alike (an interval closes `(1, 2]`); a stray closing bracket makes no room."""
     depth = deepest = 0
     for c in text:
-        depth += (c == "{") - (c == "}")
-        deepest = max(deepest, depth)
-    return deepest <= MAX_BRACE_DEPTH
+        if c in "{([":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "})]":
+            depth = max(depth - 1, 0)
+    return deepest <= MAX_NESTING
 
 
 @functools.lru_cache(maxsize=4096)  # a reference is parsed once per group, not once per response
-def _parse_cached(text: str, time_limit: int | None) -> tuple:
-    return tuple(parse(text, _EXTRACTION, parsing_timeout=time_limit))
+def _parse_cached(text: str) -> tuple:
+    return tuple(parse(text, _EXTRACTION, parsing_timeout=None))  # _time_limit bounds it
 
 
 def _parse(text: str) -> list:
     try:
-        return list(_parse_cached(text, _time_limit()))
-    except Exception:
+        return list(_parse_cached(text))
+    except Exception:  # not OutOfTime: that ends the whole pair
         return []
 
 
-def _time_limit() -> int | None:
-    # signal.alarm, which math-verify uses, only works in the main thread.
-    return TIME_LIMIT_S if threading.current_thread() is threading.main_thread() else None
+class OutOfTime(BaseException):
+    """Raised in a grading thread at its time limit. A BaseException, as math-verify's own
+    timeout is, so that the `except Exception` of math-verify and SymPy lets it through."""
+
+
+_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_deadlines: dict[int, float] = {}  # grading thread -> its time.monotonic() deadline
+_fired: set[int] = set()  # grading threads sent OutOfTime, until their block ends
+_watch = threading.Condition()
+_watchdog: threading.Thread | None = None
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise OutOfTime in this thread once `seconds` have passed inside the block.
+
+    Any thread, unlike signal.alarm: one watchdog thread asks the interpreter to raise the
+    exception in the late thread (PyThreadState_SetAsyncExc), which happens at its next
+    bytecode, as a signal handler's would. One thread for all calls, not a timer each: starting
+    a thread costs more than grading an integer. An exception sent as the block ends is taken
+    back under the lock, so it never escapes past the block."""
+    global _watchdog
+    me = threading.get_ident()
+    with _watch:
+        if _watchdog is None or not _watchdog.is_alive():  # the first call, or after a fork
+            _watchdog = threading.Thread(target=_watch_deadlines, name="math-grader-watchdog", daemon=True)
+            _watchdog.start()
+        _fired.discard(me)
+        _deadlines[me] = deadline = time.monotonic() + seconds
+        if deadline <= min(_deadlines.values()):  # the watchdog may be waiting for a later one
+            _watch.notify()
+    try:
+        yield
+    finally:
+        with _watch:
+            _deadlines.pop(me, None)
+            if me in _fired:  # raised already, or pending: then dropped here
+                _fired.discard(me)
+                _set_async_exc(ctypes.c_ulong(me), None)
+
+
+def _watch_deadlines() -> None:
+    with _watch:
+        while True:
+            now = time.monotonic()
+            for thread, deadline in list(_deadlines.items()):
+                if deadline <= now:
+                    del _deadlines[thread]  # one exception per block
+                    _fired.add(thread)
+                    _set_async_exc(ctypes.c_ulong(thread), ctypes.py_object(OutOfTime))
+            _watch.wait(min(_deadlines.values(), default=now + 60) - now)
 
 
 def _guard(expr) -> str | None:
@@ -261,7 +334,10 @@ def _guard(expr) -> str | None:
     try:
         if any(_terms(node.limits) == math.inf for node in expr.atoms(sympy.Sum, sympy.Product)):
             return "terms"
-        return None if _digits(expr) <= MAX_DIGITS else "digits"
+        if _digits(expr) > MAX_DIGITS:
+            return "digits"
+        # past the digits guard every numeric exponent is small enough to evaluate
+        return "terms" if _expanded_terms(expr) > MAX_TERMS else None
     except Exception:  # RecursionError on a deep tree, or a node _digits cannot size
         return "digits"
 
@@ -363,6 +439,52 @@ def _power_digits(base_digits: float, exponent: sympy.Basic) -> float:
     if math.isnan(value) or (math.isinf(value) and exponent.is_infinite):
         return max(base_digits, size)
     return max(base_digits, size, base_digits * value + 1)
+
+
+def _expanded_terms(expr: sympy.Basic) -> float:
+    """An upper bound on the terms of `expr` multiplied out, as SymPy's simplification may: the
+    lesser of two counts. Sums add, products multiply and the n-th power of a t-term sum makes
+    C(n+t-1, t-1) (`(a+b+c+d)^{60}`: 39,711); and a polynomial of degree d in g generators has at
+    most C(d+g, g) terms (`(x+1)(x+2)...(x+10)`: 11, not 2^10). A generator is a symbol or a part
+    that is not polynomial (`\\sin(x)`, `\\sqrt{x}`, `x^{n}`); the arguments of each are multiplied
+    out on their own. A numeric exponent's integer part is what SymPy multiplies out
+    (`(a+b)^{5/2}` is `(a+b)^2 \\sqrt{a+b}`); the digits guard has bounded it."""
+    generators: set = set()
+    inner = [1.0]  # the largest count of any generator's argument
+
+    def walk(e: sympy.Basic) -> tuple[float, float]:  # (terms, degree)
+        if isinstance(e, sympy.Number):
+            return 1.0, 0.0
+        if isinstance(e, sympy.Add | sympy.Mul):
+            parts = [walk(a) for a in e.args]
+            if isinstance(e, sympy.Add):
+                return sum(t for t, _ in parts), max(d for _, d in parts)
+            return math.prod(t for t, _ in parts), sum(d for _, d in parts)
+        if isinstance(e, sympy.Pow) and e.exp.is_number:
+            value = abs(complex(e.exp))
+            if math.isfinite(value):
+                terms, degree = walk(e.base)
+                n = math.floor(value)
+                root = n < value  # what is left, base^(value - n), is a generator
+                if root:
+                    generators.add((e.base, value - n))
+                return _multinomial(n, terms), n * degree + root
+        generators.add(e)
+        inner.extend(_expanded_terms(a) for a in e.args)
+        return 1.0, 1.0
+
+    terms, degree = walk(expr)
+    return max(min(terms, _multinomial(degree, len(generators) + 1)), *inner)
+
+
+def _multinomial(n: float, t: float) -> float:
+    """C(n+t-1, t-1): the terms of the n-th power of a sum of t terms (a float; inf when huge)."""
+    if n == 0 or t <= 1:
+        return 1.0
+    if math.isinf(n) or math.isinf(t):
+        return math.inf
+    log = math.lgamma(n + t) - math.lgamma(n + 1) - math.lgamma(t)
+    return float(round(math.exp(log))) if log < 700 else math.inf  # lgamma is a float: an integer
 
 
 def _number_digits(expr: sympy.Basic) -> float:

@@ -22,8 +22,9 @@ from emapg.errors import EmapgError
 from emapg.search import bm25 as bm25_module
 from emapg.search.bm25 import BM25Retriever
 from emapg.search.retriever import HttpRetriever
-from emapg.search.server import MAX_QUERIES, MAX_QUERY_CHARS, body_cap, make_server
+from emapg.search.server import MAX_PENDING, MAX_QUERIES, MAX_QUERY_CHARS, body_cap, make_server
 from emapg.search.world import build_world, write_corpus
+from retriever_stubs import ExitsOn, Rendezvous
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,7 @@ def test_client_splits_batches_into_requests_the_server_accepts(world_corpus):
         assert HttpRetriever(url).retrieve([], 3) == [] and counting.sizes == [100]
     finally:
         srv.shutdown()
+        srv.server_close()
 
 
 def test_server_refuses_more_queries_than_its_limit_with_413(world_corpus):
@@ -110,6 +112,7 @@ def test_server_refuses_more_queries_than_its_limit_with_413(world_corpus):
         assert counting.sizes == []  # refused before retrieving anything
     finally:
         srv.shutdown()
+        srv.server_close()
 
 
 def test_max_queries_settings_are_checked(tmp_path, capsys):
@@ -343,11 +346,15 @@ def test_bad_corpus_lines_are_one_line_errors(tmp_path):
 # --- the server under load ------------------------------------------------------------------------
 
 
-def test_four_clients_with_the_papers_batch_at_once_each_get_their_own_answers(world_corpus):
+@pytest.mark.parametrize("workers", [None, 1])
+def test_four_clients_with_the_papers_batch_at_once_each_get_their_own_answers(world_corpus, workers):
     """4 clients x 2,560 queries (the paper's batch) at once: every answer whole, in its
-    request's order, and equal to the answer of the same queries asked alone."""
+    request's order, and equal to the answer of the same queries asked alone; by default from
+    one worker process per usable core (BM25), or from the server's own threads."""
     w, _, local = world_corpus
-    srv, url = _serve(local)
+    srv, url = _serve(local, workers=workers)
+    cores = len(os.sched_getaffinity(0))
+    assert srv.workers == (min(cores, MAX_PENDING) if workers is None else 1)
     try:
         batches = [_queries(w, 2560)[c:] + _queries(w, c) for c in range(0, 400, 100)]  # each its own order
         expected = [local.retrieve(b, 3) for b in batches]
@@ -364,6 +371,44 @@ def test_four_clients_with_the_papers_batch_at_once_each_get_their_own_answers(w
         assert got == expected
     finally:
         srv.shutdown()
+        srv.server_close()
+
+
+def test_concurrent_requests_are_searched_in_separate_processes_at_once(tmp_path):
+    """Two requests at once are searched at the same time, each in its own worker process (so on
+    its own core: threads of one interpreter would take turns at its lock)."""
+    srv, url = _serve(Rendezvous(tmp_path, 2), workers=2)
+    try:
+        got: list = []
+        clients = [threading.Thread(target=lambda: got.extend(HttpRetriever(url).retrieve(["q"], 1)))
+                   for _ in range(2)]  # fmt: skip
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(timeout=60)
+        assert [hits[0]["contents"] for hits in got] == ["met: True"] * 2
+        pids = {hits[0]["id"] for hits in got}
+        assert len(pids) == 2 and str(os.getpid()) not in pids
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_worker_that_dies_fails_its_request_with_500_and_is_replaced(world_corpus):
+    w, _, local = world_corpus
+    srv, url = _serve(ExitsOn(local, "exit"), workers=2)
+    try:
+        status, _, data = http(url, json.dumps({"queries": ["exit"], "topk": 1}).encode())
+        assert status == 500
+        assert data["error"] == (
+            "a retriever worker process exited (code 3) with this request; it has been replaced"
+        )
+        queries = _queries(w, 50)
+        for _ in range(3):  # each worker, the new one included
+            assert HttpRetriever(url).retrieve(queries, 2) == local.retrieve(queries, 2)
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 class Gate:
@@ -397,6 +442,7 @@ def test_past_the_pending_limit_a_503_and_the_clients_retry_gets_the_answer_once
     finally:
         gate.open.set()
         srv.shutdown()
+        srv.server_close()
 
 
 def test_a_server_busy_past_the_clients_deadline_stops_the_run_with_one_line(world_corpus):
@@ -416,6 +462,7 @@ def test_a_server_busy_past_the_clients_deadline_stops_the_run_with_one_line(wor
     finally:
         gate.open.set()
         srv.shutdown()
+        srv.server_close()
 
 
 def test_long_and_escaped_queries_within_the_limits_are_answered(world_corpus):
@@ -438,6 +485,7 @@ def test_long_and_escaped_queries_within_the_limits_are_answered(world_corpus):
         assert HttpRetriever(url, max_queries=2560).retrieve(long, 3) == local.retrieve(long, 3)
     finally:
         srv.shutdown()
+        srv.server_close()
 
 
 def test_a_query_over_the_length_cap_gets_413_naming_both_limits(world_corpus):
@@ -455,6 +503,7 @@ def test_a_query_over_the_length_cap_gets_413_naming_both_limits(world_corpus):
         assert HttpRetriever(url, max_query_chars=50).retrieve(["b" * 51], 1) == [[]]
     finally:
         srv.shutdown()
+        srv.server_close()
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
@@ -475,3 +524,4 @@ def test_other_methods_get_405_and_every_error_is_json(world_corpus, method):
         assert json.loads(reply) == {"error": "Bad request syntax ('NONSENSE')"}
     finally:
         srv.shutdown()
+        srv.server_close()

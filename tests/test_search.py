@@ -149,6 +149,7 @@ def server(world):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}/retrieve"
     srv.shutdown()
+    srv.server_close()
 
 
 def test_server_and_client_round_trip(world, server):

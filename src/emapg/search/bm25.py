@@ -218,6 +218,10 @@ class BM25Retriever:
         self.max_score = np.load(index_dir / "max_score.npy").astype(np.float64)
         self.docs = Documents(path, index_dir / "offsets.i64")
 
+    def __reduce__(self):
+        # pickled for a server's worker process: the corpus's path, whose index it maps again
+        return BM25Retriever, (self.docs.path,)
+
     def retrieve(self, queries: list[str], topk: int) -> list[list[dict]]:
         return [[doc for doc, _ in hits] for hits in self.retrieve_scored(queries, topk)]
 

@@ -13,14 +13,33 @@ requests are admitted at once (read, searched, answered); one more is refused wi
 body is parsed, so memory stays under max_pending bodies and their answers. The standard
 library's ThreadingHTTPServer serves, one thread a connection; each admitted request is answered
 whole and in its own order.
+
+Every core: threads alone would not do it for BM25, whose work per query is mostly Python
+(tokenizing, reading and decoding the passages, encoding the answer) and so holds the
+interpreter's lock; 4 concurrent clients took 3.8-4.5x one client's time on 2 cores. So a BM25
+index is searched by `workers` processes (by default one per usable core, at most max_pending),
+each a fresh interpreter that opens the same memory-mapped index (it costs its own copy of the
+vocabulary) and answers one request at a time, while this process's threads only read and write
+the bytes (benchmarks/retriever_clients.py). A dense index keeps to threads: FAISS and torch
+release the lock and use every core from one process, which holds the index once.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
+
+from emapg.errors import EmapgError
 
 if TYPE_CHECKING:  # not imported at run time: the CLI reads the defaults without numpy or bm25s
     from emapg.search.bm25 import BM25Retriever
@@ -81,6 +100,124 @@ def parse_request(
     return queries, topk, scores
 
 
+def answer(retriever, body: bytes, max_queries: int, max_query_chars: int) -> tuple[int, bytes]:
+    """The status and JSON body that answer one request's `body` (in this process or a worker)."""
+    try:
+        queries, topk, scores = parse_request(body, max_queries, max_query_chars)
+        hits = retriever.retrieve_scored(queries, topk)
+    except RequestError as e:
+        return e.status, _json({"error": str(e)})
+    except Exception as e:  # the retriever's own failure (a corpus changed while served): one line
+        return 500, _json({"error": f"retriever failed: {type(e).__name__}: {e}"})
+    result = [[{"document": d, "score": s} if scores else d for d, s in row] for row in hits]
+    return 200, _json({"result": result})
+
+
+def _json(payload: dict) -> bytes:
+    return json.dumps(payload).encode()
+
+
+def default_workers(retriever, max_pending: int) -> int:
+    """Processes that search: one per usable core for BM25 (at most max_pending: no more are
+    ever busy), else 1, the server's own process (see the module doc)."""
+    bm25 = sys.modules.get("emapg.search.bm25")  # not imported: the retriever is not BM25
+    if bm25 is None or not isinstance(retriever, bm25.BM25Retriever):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, max_pending)
+
+
+def _worker(fd: int) -> None:
+    """A worker process: receive sys.path, the pickled retriever and the limits, then answer
+    request bodies one at a time until the server closes the connection."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it closes its workers
+    conn = Connection(fd)
+    path, payload, max_queries, max_query_chars = conn.recv()
+    sys.path[:] = path
+    try:
+        retriever = pickle.loads(payload)
+    except Exception as e:
+        conn.send(f"{type(e).__name__}: {e}")
+        return
+    conn.send("ready")
+    while True:
+        try:
+            conn.send(answer(retriever, conn.recv_bytes(), max_queries, max_query_chars))
+        except (EOFError, OSError):  # the server is gone
+            return
+
+
+class _Workers:
+    """`n` worker processes, each answering one request at a time; a request waits for an idle one.
+
+    Each is a fresh interpreter, as the reward worker is (emapg.rewards: not fork, whose child of
+    a threaded process can deadlock, and not multiprocessing's spawn, which re-runs the main
+    script), and gets the retriever pickled: a BM25 index pickles as its corpus's path and opens
+    the same memory-mapped files. One that dies (killed, out of memory) fails its request with a
+    500 and is replaced."""
+
+    def __init__(self, retriever, n: int, max_queries: int, max_query_chars: int):
+        self._setup = (sys.path, pickle.dumps(retriever), max_queries, max_query_chars)
+        self._processes: list[subprocess.Popen] = []
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        try:
+            for worker in [self._spawn() for _ in range(n)]:  # all load the index at once
+                self._idle.put(self._ready(*worker))
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self) -> tuple[subprocess.Popen, Connection]:
+        ours, theirs = socket.socketpair()
+        code = "import sys; from emapg.search.server import _worker; _worker(int(sys.argv[1]))"
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self._processes.append(process)
+        conn = Connection(ours.detach())
+        conn.send(self._setup)
+        return process, conn
+
+    def _ready(self, process: subprocess.Popen, conn: Connection) -> tuple[subprocess.Popen, Connection]:
+        try:
+            reply = conn.recv()
+        except EOFError:
+            reply = f"it exited with code {process.wait()}"
+        if reply != "ready":
+            process.kill()
+            raise EmapgError(f"serve-retriever: a worker process could not open the retriever ({reply})")
+        return process, conn
+
+    def __call__(self, body: bytes) -> tuple[int, bytes]:
+        process, conn = self._idle.get()
+        try:
+            conn.send_bytes(body)
+            return conn.recv()
+        except (EOFError, OSError):  # it died with this request
+            process.kill()
+            conn.close()
+            error = f"a retriever worker process exited (code {process.wait()}) with this request"
+            if self._closed:  # the server is stopping: no replacement
+                return 503, _json({"error": f"{error}; the server is stopping"})
+            try:
+                process, conn = self._ready(*self._spawn())
+            except EmapgError as e:  # the dead one goes back: the next request tries again
+                return 500, _json({"error": f"{error}; {e}"})
+            return 500, _json({"error": f"{error}; it has been replaced"})
+        finally:
+            self._idle.put((process, conn))
+
+    def close(self) -> None:
+        self._closed = True
+        for process in self._processes:
+            process.kill()
+            process.wait()
+
+
 def make_server(
     retriever: BM25Retriever,
     host: str = "127.0.0.1",
@@ -88,13 +225,22 @@ def make_server(
     max_queries: int = MAX_QUERIES,
     max_query_chars: int = MAX_QUERY_CHARS,
     max_pending: int = MAX_PENDING,
+    workers: int | None = None,
 ) -> ThreadingHTTPServer:
+    """The server (not yet serving: call serve_forever, and server_close to stop its workers).
+    `workers`: processes that search (1: this one's threads); None: `default_workers`. The
+    server's `workers` attribute is the number chosen."""
+    workers = default_workers(retriever, max_pending) if workers is None else workers
     for name, value in [("max_queries", max_queries), ("max_query_chars", max_query_chars),
-                        ("max_pending", max_pending)]:  # fmt: skip
+                        ("max_pending", max_pending), ("workers", workers)]:  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     cap = body_cap(max_queries, max_query_chars)
     admitted = threading.BoundedSemaphore(max_pending)
+    pool: _Workers | None = None  # started once the port is ours
+
+    def respond(body: bytes) -> tuple[int, bytes]:
+        return pool(body) if pool else answer(retriever, body, max_queries, max_query_chars)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -121,12 +267,7 @@ def make_server(
                     {"Retry-After": str(RETRY_AFTER_S)},
                 )
             try:
-                queries, topk, scores = parse_request(self.rfile.read(length), max_queries, max_query_chars)
-                hits = retriever.retrieve_scored(queries, topk)
-                result = [[{"document": d, "score": s} if scores else d for d, s in row] for row in hits]
-                self._send(200, {"result": result})
-            except RequestError as e:
-                self._send(e.status, {"error": str(e)})
+                self._send(*respond(self.rfile.read(length)))
             finally:
                 admitted.release()
 
@@ -145,8 +286,8 @@ def make_server(
             while length > 0 and (chunk := self.rfile.read(min(length, 1 << 16))):
                 length -= len(chunk)
 
-        def _send(self, code: int, payload: dict, headers: dict | None = None):
-            body = json.dumps(payload).encode()
+        def _send(self, code: int, payload: dict | bytes, headers: dict | None = None):
+            body = payload if isinstance(payload, bytes) else _json(payload)
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -163,4 +304,16 @@ def make_server(
         daemon_threads = True
         request_queue_size = 128  # the listen backlog: many trainer processes may connect at once
 
-    return Server((host, port), Handler)
+        def server_close(self):
+            super().server_close()
+            if pool:
+                pool.close()
+
+    server = Server((host, port), Handler)
+    server.workers = workers
+    try:
+        pool = _Workers(retriever, workers, max_queries, max_query_chars) if workers > 1 else None
+    except BaseException:
+        server.server_close()
+        raise
+    return server

@@ -36,9 +36,11 @@ def _length_reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def _trainer(trainer_cls, config_cls, model_dir, tmp_path, **fields):
+def _trainer(
+    trainer_cls, config_cls, model_dir, tmp_path, prompts=("1+2=", "3+4=", "5+5=", "2+2="), **fields
+):
     args = config_cls(output_dir=str(tmp_path), **{**COMMON, **fields})
-    dataset = Dataset.from_dict({"prompt": ["1+2=", "3+4=", "5+5=", "2+2="]})
+    dataset = Dataset.from_dict({"prompt": list(prompts)})
     trainer = trainer_cls(
         model=model_dir,
         reward_funcs=_length_reward,
@@ -178,6 +180,32 @@ def test_trains_on_cpu_and_anchor_follows_the_ema(tiny_model_dir, tmp_path, esti
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert any(not torch.equal(a, b) for a, b in zip(recorder.policy[-1], start, strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(expected, start, strict=True))
+
+
+def test_resume_continues_the_anchor_of_the_checkpoint(tiny_model_dir, tmp_path):
+    """Killed after step 2 and resumed from its checkpoint, the run ends with the anchor (and
+    policy) of the uninterrupted run, bit for bit; before, the anchor restarted from the model."""
+    fields = dict(kl_estimator="k3", anchor_ema_eta=0.5, anchor_update_period=1, max_steps=4, learning_rate=0.05,
+                  save_strategy="steps", save_steps=1)  # fmt: skip
+    # 8 prompts, 2 a step: the 4 steps are one epoch. (Resumed past an epoch's end, TRL's own sampler
+    # repeats the first epoch's prompt order, and no run would match.)
+    prompts = [f"{a}+{b}=" for a, b in ((1, 2), (3, 4), (5, 5), (2, 2), (6, 1), (7, 3), (8, 8), (9, 4))]
+    full = _trainer(EMAPGTrainer, EMAPGConfig, tiny_model_dir, tmp_path / "full", prompts, **fields)
+    start = [p.detach().clone() for p in full.ref_model.parameters()]
+    full.train()
+    resumed = _trainer(EMAPGTrainer, EMAPGConfig, tiny_model_dir, tmp_path / "resumed", prompts, **fields)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+
+    pairs = [*zip(resumed.ref_model.parameters(), full.ref_model.parameters(), strict=True),
+             *zip(resumed.model.parameters(), full.model.parameters(), strict=True)]  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert any(not torch.equal(a, s) for a, s in zip(full.ref_model.parameters(), start, strict=True))
+    assert resumed.anchor.updates == full.anchor.updates == 4
+    # A checkpoint without the anchor's weights stops the resume instead of restarting the anchor.
+    (tmp_path / "full" / "checkpoint-3" / "anchor.safetensors").unlink()
+    again = _trainer(EMAPGTrainer, EMAPGConfig, tiny_model_dir, tmp_path / "again", prompts, **fields)
+    with pytest.raises(EmapgError, match="checkpoint-3 has no anchor.safetensors"):
+        again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
 
 
 @pytest.mark.parametrize(

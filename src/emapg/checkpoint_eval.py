@@ -41,7 +41,10 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
 def anchor_file(path: Path) -> Path:
     """The anchor's weights in checkpoint `path`, or why a checkpoint has none to load here."""
     if (path / "adapters").is_dir():
-        raise EmapgError(f"{path}: a LoRA run's anchor is an adapter; --anchor evaluates full-model anchors")
+        raise EmapgError(
+            f"{path}: a LoRA run's anchor is an adapter on the base model, which the checkpoint does not "
+            "hold; --anchor reads full-model anchors (anchor.safetensors)"
+        )
     if (path / "sharded").is_dir():
         raise EmapgError(
             f"{path}: written by several processes, its anchor is in sharded/ only; --anchor reads "

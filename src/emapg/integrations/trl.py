@@ -11,20 +11,25 @@ two things change:
 
 Override points: `_generate_and_score_completions` (anchor statistics for the top-k
 estimators), `_get_per_token_logps_and_entropies` (to keep the policy log-probs of the loss
-pass), `_compute_loss` (TRL's loss with its KL switched off, plus ours) and a callback for
-the EMA step. Supported: text-only models, no PEFT (the anchor must be a separate model); the
+pass), `_compute_loss` (TRL's loss with its KL switched off, plus ours), a callback for
+the EMA step, and `_save_checkpoint` / `_load_optimizer_and_scheduler` (the anchor's weights
+and update count in each checkpoint, restored on resume). Supported: text-only models, no PEFT (the anchor must be a separate model); the
 top-k estimators need an LM head that `emapg.lm_head.head_of` reproduces exactly (plain,
 Cohere's scale, Granite's scaling, Gemma 2's soft-cap).
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_model, save_model
 from torch import Tensor
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from emapg import kl
@@ -118,6 +123,9 @@ class _AnchorStep(TrainerCallback):
         self.trainer.anchor.step(self.trainer.accelerator.unwrap_model(model), state.global_step)
 
 
+ANCHOR_FILE = "anchor.safetensors"  # the anchor's weights in each checkpoint-N folder
+
+
 class EMAPGTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with EMA-PG's anchor and KL estimators; takes the same arguments."""
 
@@ -148,6 +156,41 @@ class EMAPGTrainer(GRPOTrainer):
             for model in (policy, self.anchor.model):
                 self._head(model)
         self._loss_capture: dict | None = None
+
+    # ---- checkpoints: the anchor is part of the training state -------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        # Written before TRL's files, trainer_state.json last: a checkpoint a kill cut short
+        # either has no trainer state (transformers refuses it) or has its anchor.
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        if self.args.should_save:
+            os.makedirs(folder, exist_ok=True)
+            save_model(
+                self.anchor.model, os.path.join(folder, ANCHOR_FILE), {"updates": str(self.anchor.updates)}
+            )
+        super()._save_checkpoint(model, trial)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Called on resume only (as TRL restores its own extra state), after the policy is loaded.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ANCHOR_FILE)
+        if not os.path.isfile(path):
+            raise EmapgError(
+                f"EMAPGTrainer: {checkpoint} has no {ANCHOR_FILE} (written by another trainer, or an older "
+                "emapg), so its EMA anchor is lost; restarting the anchor from the initial model would "
+                "train a different algorithm"
+            )
+        try:
+            load_model(self.anchor.model, path)
+            with safe_open(path, "pt") as f:
+                self.anchor.updates = int(f.metadata()["updates"])
+        except (OSError, RuntimeError, SafetensorError, KeyError) as e:
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EmapgError(f"EMAPGTrainer: {path} cannot be loaded into the anchor: {detail}") from None
 
     @staticmethod
     def _head(model):

@@ -32,6 +32,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,9 +97,10 @@ def main() -> None:
     config = ["--config", args.config]
     extra = [*config, f"train.save_every={args.save_every}", "train.keep_checkpoints=1", *args.overrides]
     # Zero steps first: the warm start and every cache (a search index) are built outside the runs.
-    warm = [sys.executable, "-m", "emapg", "train", *extra, f"train.output_dir={OUT}", "train.name=warm",
-            "train.steps=0", "train.progress=false", "train.tensorboard=false"]  # fmt: skip
-    subprocess.run(warm, check=True, stdout=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory() as scratch:  # a zero-step run: nothing of it is kept
+        warm = [sys.executable, "-m", "emapg", "train", *extra, f"train.output_dir={scratch}", "train.name=warm",
+                "train.steps=0", "train.progress=false", "train.tensorboard=false"]  # fmt: skip
+        subprocess.run(warm, check=True, stdout=subprocess.DEVNULL)
     print(f"load before: {os.getloadavg()[0]:.2f}; {args.cores} cores; {args.seconds:g} s per run")
     arms = modes(args.cores, args.staleness)
     results: dict[str, dict[int, dict]] = {m: {} for m in arms}

@@ -28,6 +28,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     if not args.report:
         for seed in args.seeds:  # the conversion and each seed's warm start, outside the timed runs
-            seconds = train(args.python, "warm", [f"train.seed={seed}", "train.steps=0", "task.num_eval=1"])
+            with tempfile.TemporaryDirectory() as scratch:  # a zero-step run: nothing of it is kept
+                seconds = train(args.python, "warm", [f"train.output_dir={scratch}", f"train.seed={seed}",
+                                                      "train.steps=0", "task.num_eval=1"])  # fmt: skip
             print(
                 f"seed {seed}: GGUF conversion and warm start ready in {seconds:.0f} s (cached)", flush=True
             )

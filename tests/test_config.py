@@ -22,7 +22,7 @@ def test_defaults_file_and_overrides_compose(tmp_path):
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
     assert cfg.rollout.stop == ["\n", "."]
     assert cfg.optim.weight_decay == 0.01
-    assert cfg.train.name == "quickstart"  # the dataclass default
+    assert cfg.train.name == "c"  # a run the file does not name is named after the file
 
 
 def test_grpo_and_ema_pg_differ_only_in_anchor_kl_and_name():

@@ -1,19 +1,26 @@
 """The dataset task: your data and TRL-style reward functions by import path, guarded."""
 
 import json
+import logging
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import emapg
 from emapg import trainer
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_tokenizer
 from emapg.prompts import ChatPrompt, encode_prompts
+from emapg.reward_fns import CHAT_HINT
 from emapg.rewards import RewardScorer
 from emapg.tasks import make_task
 from emapg.tasks.dataset import load_rows
 from emapg.tasks.math import PROMPT
-from test_trainer import config
+from test_trainer import FAST, config
 
 DATA = Path(__file__).resolve().parent / "data"
 MODULE = DATA / "reward_module.py"
@@ -149,16 +156,70 @@ BAD = [
     ([], f"{MODULE}:needs_solution", r"needs solution, which is not a column of .*train.jsonl"),
     ([], f"{MODULE}:not_a_number", r"task.reward_fns: reward function .*not_a_number returned \['yes'\]"),
     (["task.reward_weights=[1, 2]"], f"{MODULE}:first_char", r"task.reward_weights: 2 weights for 1 reward"),
+    (
+        ["task.answer_field=answer"],
+        f"{MODULE}:broken",
+        r"task.reward_fns: reward function .*reward_module.py:broken raised ZeroDivisionError: division by "
+        r"zero \(called on the first training record with its task.answer_field 'answer'\)$",
+    ),
 ]
 
 
 @pytest.mark.parametrize("extra,fns,message", BAD, ids=lambda x: str(x)[:30])
-def test_bad_input_stops_with_one_line_before_any_step(tmp_path, tiny_model_dir, extra, fns, message):
+def test_bad_input_stops_with_one_line_before_any_step(tmp_path, tiny_model_dir, extra, fns, message, caplog):
     cfg = dataset_config(tmp_path, tiny_model_dir, *extra, fns=fns)
-    with pytest.raises(EmapgError, match=message) as e:
+    with caplog.at_level(logging.WARNING, logger="emapg"), pytest.raises(EmapgError, match=message) as e:
         trainer.train(cfg)
     assert "\n" not in str(e.value)
+    assert not caplog.records  # no warning that the run goes on
     assert not (tmp_path / "quickstart").exists()  # nothing ran, nothing written
+
+
+def test_a_text_reward_on_chat_data_stops_before_any_step_saying_what_to_change(tmp_path, tiny_model_dir):
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1)} for a in range(12)]
+    train = write_jsonl(tmp_path / "chat.jsonl", rows)
+    cfg = dataset_config(tmp_path, tiny_model_dir, train=train, evals=train, fns=f"{MODULE}:text_only")
+    with pytest.raises(EmapgError) as e:
+        make_task(cfg)
+    assert str(e.value) == (
+        f"task.reward_fns: reward function {MODULE}:text_only raised AttributeError: 'list' object has no "
+        f"attribute 'strip'{CHAT_HINT} (called on the first training record with an empty completion)"
+    )
+
+
+def test_a_run_whose_every_reward_fails_stops_at_its_first_step_with_one_line(tmp_path, tiny_model_dir):
+    """The function passes the check before any step (it scores the reference answer) and
+    raises on every response. stderr is the error alone: no warning that the run goes on, no
+    RuntimeWarning from starting the reward worker."""
+    train = write_jsonl(tmp_path / "train.jsonl", sums(40))
+    evals = write_jsonl(tmp_path / "eval.jsonl", sums(8, start=100))
+    args = [f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", *FAST, "task.name=dataset",
+            f"task.train_files=[{train}]", f"task.eval_files=[{evals}]", "task.num_eval=8",
+            "task.answer_field=answer", f"task.reward_fns=[{MODULE}:only_the_answer]", "train.steps=2"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "emapg", "train", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = (
+        f"emapg: error: task 'dataset': reward function {re.escape(str(MODULE))}:only_the_answer raised "
+        r"ValueError: not a number: .*, on every one of the 16 responses of step 1; with every reward 0 "
+        r"the run would learn nothing: fix the reward\n"
+    )
+    assert re.fullmatch(line, done.stderr), done.stderr
+
+
+def test_some_reward_errors_are_logged_once_after_the_first_step_and_the_run_goes_on(
+    tmp_path, tiny_model_dir, caplog
+):
+    cfg = dataset_config(tmp_path, tiny_model_dir, "train.steps=2", fns=f"{MODULE}:every_other")
+    with caplog.at_level(logging.WARNING, logger="emapg"):
+        trainer.train(cfg)
+    assert all(0 < r["reward/errors"] < 16 for r in records(tmp_path)[1:])
+    (warning,) = [r.getMessage() for r in caplog.records if "reward/errors" in r.getMessage()]
+    assert (
+        f"reward function {MODULE}:every_other raised ValueError: every other call on a response" in warning
+    )
 
 
 def test_eval_data_defaults_to_held_out_training_records(tmp_path, tiny_model_dir):

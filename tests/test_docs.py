@@ -1,7 +1,9 @@
 """The docs stay true to the code: generated pages are fresh, links resolve, hints name real extras."""
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -86,3 +88,51 @@ def test_readme_quick_start():
     assert "python3 -m pip install -e . && emapg train" in readme
     assert 'python3 -m pip install -e ".[dev]" && python3 -m pytest' in readme
     assert "eval/accuracy A% before training -> B% after (+C points); run: runs/quickstart" in readme
+
+
+def _run(
+    cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    environ = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        cmd, cwd=cwd, env={**environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_readme_custom_rewards_command_runs_as_written(tmp_path):
+    """The README's `task.reward_fns=[my_rewards:exact]`: a module in the current directory, as
+    `python -m` finds one (it failed with "cannot import 'my_rewards'")."""
+    line = next(s for s in (ROOT / "README.md").read_text().splitlines() if "my_rewards:exact" in s)
+    command = line.split("#")[0].split()
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(completions, answer, **kwargs):\n"
+        "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+    )
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fast = ["train.steps=1", "task.num_eval=4", "eval.samples=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
+            "rollout.max_new_tokens=3", "warmstart.steps=2", "warmstart.target_accuracy=0",
+            f"warmstart.cache_dir={tmp_path / 'cache'}", "train.progress=false", "train.tensorboard=false"]  # fmt: skip
+    script = shutil.which(command[0])  # the console script: its sys.path, unlike `python -m`'s, lacks the cwd
+    assert script, "the emapg script is not installed (pip install -e .)"
+    done = _run([script, *command[1:], *fast], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "run: runs/quickstart" in done.stdout
+
+
+def test_trl_doc_example_runs_as_written(smollm2, tmp_path):
+    """docs/trl.md's example, as written (it failed on 'path/to/local/model'); the converted
+    SmolLM2 of this session is reached through the default cache of a temporary HOME."""
+    pytest.importorskip("trl")
+    code = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "trl.md").read_text(), flags=re.S).group(1)
+    cache, _ = smollm2
+    home = tmp_path / "home"
+    (home / ".cache" / "emapg").mkdir(parents=True)
+    (home / ".cache" / "emapg" / "gguf").symlink_to(cache / "gguf")
+    done = _run([sys.executable, "-c", code], tmp_path, env={"HOME": str(home), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (checkpoint,) = (tmp_path / "runs" / "trl-ema-pg").glob("checkpoint-2")
+    assert (checkpoint / "anchor.safetensors").is_file()

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from emapg.errors import EmapgError
-from emapg.rewards import RewardScorer, score_detail
+from emapg.rewards import ABSTAINED, RewardScorer, ScoreError, score_detail
 from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.base import Example
 
@@ -34,6 +34,8 @@ class HostileTask:
             re.match(r"(a+)+$", "a" * 40 + "b")  # catastrophic backtracking inside C code
         if response == "exit":
             os._exit(3)
+        if response == "abstain":
+            raise ScoreError(ABSTAINED)
         return 1.0 if response == "ok" else 0.5
 
 
@@ -49,10 +51,10 @@ def test_score_one_checks_value_and_exceptions():
     task = HostileTask()
     assert score_one(task.score, "ok", EX) == (1.0, None)
     assert score_one(task.score, "x", EX) == (0.5, None)
-    assert score_one(task.score, "raise", EX) == (0.0, "raised ValueError: bad response")
-    assert score_one(task.score, "abc", EX) == (0.0, "returned 'abc', expected a number in [0, 1]")
+    assert score_one(task.score, "raise", EX) == (0.0, "score raised ValueError: bad response")
+    assert score_one(task.score, "abc", EX) == (0.0, "score returned 'abc', expected a number in [0, 1]")
     assert score_one(task.score, "nan", EX)[0] == 0.0 and "nan" in score_one(task.score, "nan", EX)[1]
-    assert score_one(task.score, "big", EX) == (0.0, "returned 7, expected a number in [0, 1]")
+    assert score_one(task.score, "big", EX) == (0.0, "score returned 7, expected a number in [0, 1]")
 
 
 def test_inline_scoring_counts_errors_and_warns_once(caplog):
@@ -62,6 +64,33 @@ def test_inline_scoring_counts_errors_and_warns_once(caplog):
     assert out.rewards == [1.0, 0.0, 0.0, 0.5, 0.0, 0.0]
     assert (out.errors, out.timeouts) == (4, 0)
     assert len(caplog.records) == 1 and "raised ValueError: bad response" in caplog.text
+
+
+def test_a_held_warning_waits_for_the_first_step_which_stops_a_run_whose_every_score_failed(caplog):
+    with caplog.at_level(logging.WARNING, logger="emapg"):
+        broken = RewardScorer(HostileTask(), timeout_s=1.0, isolation="inline", hold_warning=True)
+        out = broken(["raise", "raise"], [EX, EX])
+        with pytest.raises(EmapgError) as err:
+            broken.check_first_step(out.problems, out.failures, responses=2, step=1)
+        assert str(err.value) == (
+            "task 'hostile': score raised ValueError: bad response, on every one of the 2 responses of "
+            "step 1; with every reward 0 the run would learn nothing: fix the reward"
+        )
+        assert not caplog.records  # the run stops with its error alone
+
+        # Abstaining on every response is no failure: the run goes on, and warns from here on.
+        scorer = RewardScorer(HostileTask(), timeout_s=1.0, isolation="inline", hold_warning=True)
+        out = scorer(["abstain", "abstain"], [EX, EX])
+        assert (out.errors, out.failures) == (2, 0) and not caplog.records
+        scorer.check_first_step(out.problems, out.failures, responses=2, step=1)
+        scorer(["raise"], [EX])
+    assert len(caplog.records) == 1 and f"task 'hostile': {ABSTAINED} on a response" in caplog.text
+
+
+def test_the_worker_starts_without_a_runtime_warning(capfd):
+    with RewardScorer(HostileTask(), timeout_s=5.0, isolation="process") as scorer:
+        assert scorer(["ok"], [EX]).rewards == [1.0]
+    assert "Warning" not in capfd.readouterr().err
 
 
 def test_worker_cuts_off_hangs_in_python_and_c_and_survives_its_own_death():

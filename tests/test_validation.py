@@ -4,8 +4,10 @@ CLI with exit code 2 and one stderr line naming the problem, before any training
 import shutil
 
 import pytest
+import yaml
 
 from emapg.cli import main
+from emapg.config import load_config
 from emapg.errors import EmapgError
 from emapg.models import build_tiny_model, build_tiny_tokenizer
 
@@ -47,6 +49,8 @@ def _corrupt_weights(tmp, model):
 def _corrupt_checkpoint(tmp, model):
     step = tmp / "quickstart" / "checkpoints" / "step_2"
     shutil.copytree(model, step / "policy")
+    config = load_config(None, [f"model.path={model}", f"train.output_dir={tmp}"])  # as the run saved it
+    (tmp / "quickstart" / "config.yaml").write_text(yaml.safe_dump(config.model_dump()))
     (step / "policy" / "model.safetensors").write_bytes(b"\x00garbage" * 10)
     return ["--resume"], "checkpoint " + str(step) + " cannot be loaded"
 

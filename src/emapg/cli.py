@@ -1,4 +1,4 @@
-"""Command line: emapg train | eval | sft | report | build-index | serve-retriever."""
+"""Command line: emapg train | eval | export | sft | report | build-index | serve-retriever."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from emapg.errors import EmapgError
 
 TRAIN_EPILOG = """\
 overrides are dotted config fields, e.g. `kl.k=16 anchor.eta=0.95 train.steps=100`.
-Shipped configs: quickstart (the default), grpo, ema_pg, math_tiny, math_qwen, search_tiny, search_qwen. Every field:
+Shipped configs: quickstart (the default), grpo, ema_pg, math_tiny, math_qwen, smollm2_math, search_tiny,
+search_qwen. Every field:
 
 """
 
@@ -38,11 +39,16 @@ def import_user_modules(specs: list[str]) -> None:
 
 
 def _train(args) -> None:
-    from emapg.config import load_config
+    import yaml
+
+    from emapg.config import load_config, resume_config
     from emapg.trainer import train
 
     import_user_modules(args.imports)
-    cfg = load_config(args.config, args.overrides)
+    cfg = (resume_config if args.resume else load_config)(args.config, args.overrides)
+    if args.print_config:
+        print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
+        return
     result = train(cfg, resume=args.resume)
     # Under torchrun rank 0 reports for all; the process group is closed by now, so ask the env.
     if os.environ.get("RANK", "0") != "0":
@@ -106,11 +112,12 @@ def _eval(args) -> None:
     from emapg.models import model_folder
 
     model = model_folder(args.model, progress=not args.no_progress)  # a GGUF: its converted folder
-    results = protocol.evaluate(model, args.data, args.out, settings, progress=not args.no_progress)
+    out = args.out or "runs/eval"  # a folder holding another model's or data's evaluation is refused
+    results = protocol.evaluate(model, args.data, out, settings, progress=not args.no_progress)
     if not results:  # a process other than rank 0 under torchrun
         return
     print(protocol.table(results), end="")
-    print(f"results: {Path(args.out) / 'results.json'}; responses: {Path(args.out) / 'responses.jsonl'}")
+    print(f"results: {Path(out) / 'results.json'}; responses: {Path(out) / 'responses.jsonl'}")
 
 
 def _eval_run(args) -> None:
@@ -123,10 +130,20 @@ def _eval_run(args) -> None:
     import_user_modules(args.imports)
     results = evaluate_checkpoint(args.run, args.step, anchor=args.anchor)
     name = "eval/anchor/accuracy" if args.anchor else "eval/accuracy"
+    # By default beside the run, one folder per checkpoint and weights: evaluations never overwrite each other.
+    checkpoint = Path(results["checkpoint"])
+    out = args.out or checkpoint.parents[1] / "eval" / (checkpoint.name + ("-anchor" if args.anchor else ""))
     print(
         f"{name} {results['accuracy']:.4f} ({results['checkpoint']}: {results['problems']} problems x "
-        f"{results['samples_per_problem']} samples); results: {write_results(results, args.out)}"
+        f"{results['samples_per_problem']} samples); results: {write_results(results, out)}"
     )
+
+
+def _export(args) -> None:
+    from emapg.export import export
+
+    path = export(args.run, args.out, args.step, anchor=args.anchor)
+    print(f"exported the {'anchor' if args.anchor else 'policy'} of {path} to {args.out}")
 
 
 def _report(args) -> None:
@@ -180,8 +197,8 @@ def _serve_retriever(args) -> None:
 
     if not 0 <= args.port <= 65535:
         raise EmapgError(f"--port {args.port}: expected 0..65535")
-    for flag in ("max_queries", "max_query_chars", "max_pending"):
-        if getattr(args, flag) < 1:
+    for flag in ("max_queries", "max_query_chars", "max_pending", "workers"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise EmapgError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1")
     if args.dense is None:
         from emapg.search.bm25 import BM25Retriever
@@ -192,6 +209,8 @@ def _serve_retriever(args) -> None:
 
         if not args.encoder:
             raise EmapgError("serve-retriever --dense needs --encoder PATH (the encoder of the index)")
+        if (args.workers or 1) > 1:  # FAISS searches on every core from one process already
+            raise EmapgError("serve-retriever --workers is for BM25; --dense searches in this process")
         corpus = Path(args.corpus).expanduser()
         index = args.dense or corpus.with_name(corpus.name + ".dense")
         retriever = DenseRetriever(
@@ -200,8 +219,9 @@ def _serve_retriever(args) -> None:
         )  # fmt: skip
     try:
         server = make_server(
-            retriever, args.host, args.port, args.max_queries, args.max_query_chars, args.max_pending
-        )
+            retriever, args.host, args.port, args.max_queries, args.max_query_chars, args.max_pending,
+            workers=args.workers,
+        )  # fmt: skip
     except OSError as e:
         raise EmapgError(
             f"serve-retriever: cannot listen on {args.host}:{args.port} ({e.strerror})"
@@ -249,7 +269,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     _add_config_arguments(train)
     train.add_argument(
-        "--resume", action="store_true", help="continue from the run's last complete checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run <train.output_dir>/<train.name> from its last complete checkpoint, under "
+        "its saved config.yaml; key=value overrides apply on top (each change is printed)",
+    )
+    train.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML and exit"
     )
     train.set_defaults(func=_train)
     worker = sub.add_parser(
@@ -331,8 +357,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ev.add_argument("--corpus", help="search: a jsonl corpus to index with BM25 (instead of --retriever-url)")
     ev.add_argument("--topk", type=int, help="search: passages per search (3)")
     ev.add_argument("--max-turns", type=int, help="search: rounds with the retriever (4)")
-    ev.add_argument("--out", default="runs/eval", help="directory for results.json and responses.jsonl")
+    ev.add_argument(
+        "--out",
+        help="directory for results.json (and responses.jsonl); default: runs/eval with --model, "
+        "RUN/eval/step_N[-anchor] with --run",
+    )
     ev.set_defaults(func=_eval)
+    exp = sub.add_parser(
+        "export",
+        help="a run's checkpoint (policy, or --anchor its anchor) as a Hugging Face folder",
+        description="Write the policy (or with --anchor the EMA anchor) saved at a run's checkpoint as a "
+        "standard Hugging Face folder (config, safetensors, tokenizer, chat template) that "
+        "from_pretrained and vLLM load as it is. Never overwrites: --out must be new or empty.",
+    )
+    exp.add_argument("run", metavar="RUN_DIR", help="a run directory (runs/<name>)")
+    exp.add_argument("--step", type=int, help="the checkpoint's step (default: the last)")
+    exp.add_argument("--anchor", action="store_true", help="the anchor's weights, not the policy's")
+    exp.add_argument("--out", required=True, help="the folder to write (new, or empty)")
+    exp.set_defaults(func=_export)
     rep = sub.add_parser(
         "report", help="learning curves of runs on shared axes (seeds grouped) and a table of final figures"
     )
@@ -393,6 +435,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=int,
         default=MAX_PENDING,
         help=f"requests admitted at once; one more gets HTTP 503 with Retry-After (default {MAX_PENDING})",
+    )
+    srv.add_argument(
+        "--workers",
+        type=int,
+        help="BM25: processes that search, so concurrent requests use every core (default: one per "
+        "usable core, at most --max-pending; 1: this process's threads only)",
     )
     for p in (idx, srv):
         p.add_argument(

@@ -25,6 +25,7 @@ from emapg.lora import LoraSettings
 from emapg.models import ModelSettings
 from emapg.optim import OptimSettings
 from emapg.rollout import ENGINES, RolloutSettings
+from emapg.run_folder import saved_config
 from emapg.settings import Registry, Section, check, one_line, setting, suggest, validated
 from emapg.sft import WarmStartSettings
 from emapg.tasks import TASKS, TaskSettings
@@ -40,7 +41,9 @@ class TrainSettings(Section):
     logging and device."""
 
     key: ClassVar[str] = "train"
-    name: str = setting("quickstart", "run name: outputs go to <output_dir>/<name>")
+    name: str = setting(
+        "run", "run name: outputs go to <output_dir>/<name>; from the command line, the config file's name"
+    )
     output_dir: str = setting("runs", "where runs are written")
     seed: int = setting(0, "seed of sampling, shuffling and initialisation")
     steps: int = setting(40, "rollout batches (training steps)", ge=0)
@@ -272,5 +275,21 @@ def read_config(path: str | None = None) -> dict:
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file (default: the quickstart), then `key=value` overrides."""
-    return build(with_overrides(read_config(path), list(overrides)))
+    """Defaults, then the YAML file (default: the quickstart), then `key=value` overrides. A run
+    the file does not name is named after the file (my_data.yaml -> runs/my_data)."""
+    raw = with_overrides(read_config(path), list(overrides))
+    raw.setdefault("train", {}).setdefault("name", Path(path or "quickstart").stem)
+    return build(raw)
+
+
+def resume_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """`--resume`: the run's saved config, then the `key=value` overrides. The config file and
+    overrides only name the run (train.output_dir, train.name); the file's other values are not
+    applied, so a resumed run keeps the settings it ran under unless the command line changes them."""
+    named = load_config(path, overrides).train
+    run_dir = Path(named.output_dir) / named.name
+    saved = saved_config(run_dir)
+    try:  # a setting emapg no longer has, or an override the saved config's task does not take
+        return build(with_overrides(saved, list(overrides)))
+    except EmapgError as e:
+        raise EmapgError(f"--resume: {run_dir / 'config.yaml'}: {e}") from None

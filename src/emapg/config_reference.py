@@ -8,7 +8,7 @@ from typing import Literal, get_args, get_origin
 
 import yaml
 
-from emapg.config import SELECTED, Config
+from emapg.config import SELECTED, Config, read_config
 from emapg.settings import Section
 
 REGENERATE = "python -m emapg.config_reference > docs/configuration.md"
@@ -48,11 +48,16 @@ def _help(field) -> str:
 
 
 def help_text() -> str:
-    """Every field with its default and meaning, for `emapg train --help`."""
+    """Every field with its default and meaning, for `emapg train --help`; where the quickstart
+    (what a plain `emapg train` runs) sets a field to another value, that value too."""
+    quickstart = {f"{s}.{k}": v for s, values in read_config("quickstart").items() for k, v in values.items()}
     lines = []
     for title, _, rows in reference():
         lines.append(f"{title}:")
-        lines += [f"  {name} = {default!r}  -- {text}" for name, default, text in rows]
+        for name, default, text in rows:
+            given = quickstart.get(name, default)
+            also = f" (quickstart: {given!r})" if given != default else ""
+            lines.append(f"  {name} = {default!r}{also}  -- {text}")
     return "\n".join(lines)
 
 

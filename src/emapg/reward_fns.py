@@ -20,18 +20,30 @@ import importlib.util
 import inspect
 import math
 import numbers
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from emapg.errors import EmapgError
+from emapg.rewards import ScoreError
 
 FIXED = ("prompts", "completions")  # what every call passes besides the columns
 
+# TRL's most common mistake: a reward written for text completions, run on chat data.
+CHAT_HINT = (
+    " (the prompts are chat messages, so each completion is a list of messages, as in TRL: "
+    "its text is completion[0]['content'])"
+)
 
-class RewardReturnError(Exception):
+
+class RewardReturnError(ScoreError):
     """A reward function returned something other than one number or None per completion."""
+
+
+class RewardFunctionError(ScoreError):
+    """A reward function raised: the message names it and its exception."""
 
 
 def load_function(spec: str, field: str = "task.reward_fns") -> Callable:
@@ -58,6 +70,8 @@ def load_function(spec: str, field: str = "task.reward_fns") -> Callable:
                     f"{field}: {spec!r}: importing {where} raised {type(e).__name__}: {e}"
                 ) from None
     else:
+        if os.getcwd() not in sys.path:  # the `emapg` script's path lacks it; `python -m` has it
+            sys.path.append(os.getcwd())  # last: a module of the current directory shadows nothing
         try:
             module = importlib.import_module(where)
         except Exception as e:
@@ -132,7 +146,13 @@ class RewardFunction:
         kwargs = {"prompts": [prompt], "completions": [completion], **{k: [v] for k, v in columns.items()}}
         if not self.takes_all:
             kwargs = {k: v for k, v in kwargs.items() if k in self.names}
-        out = self.fn(**kwargs)
+        try:
+            out = self.fn(**kwargs)
+        except Exception as e:
+            hint = CHAT_HINT if isinstance(completion, list) and _on_a_list(e) else ""
+            raise RewardFunctionError(
+                f"reward function {self.spec} raised {type(e).__name__}: {e}{hint}"
+            ) from None
         if isinstance(out, str | bytes) or not hasattr(out, "__len__") or len(out) != 1:
             raise RewardReturnError(
                 f"reward function {self.spec} returned {out!r:.60} for 1 completion; expected a list "
@@ -146,6 +166,12 @@ class RewardFunction:
         raise RewardReturnError(
             f"reward function {self.spec} returned [{value!r:.60}]; expected a finite float or None per completion"
         )
+
+
+def _on_a_list(e: Exception) -> bool:
+    """Whether `e` is what treating a list as text raises (`'list' object has no attribute
+    'strip'`, `expected string or bytes-like object, got 'list'`)."""
+    return isinstance(e, AttributeError | TypeError) and "list" in str(e)
 
 
 def _signature(fn) -> str:

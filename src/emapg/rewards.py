@@ -2,12 +2,14 @@
 
 A task's `score` is user code. Whatever it does with one response (raise, return "abc", NaN
 or 7, loop forever in Python or in C), that response gets reward 0 and is counted
-(`errors`, `timeouts`), and the run goes on. Only a separate process can cut off a hang in C
-code (a signal alarm waits for the C call to return), so by default scoring runs in one
-persistent worker process fed a whole batch at a time; a call that overruns its limit kills
-the worker, and a fresh one scores the rest of the batch. A task whose scorer is trivially
-safe says so (`score_is_safe = True`, e.g. arithmetic's exact match) and is scored in-process,
-with the same checks on exceptions and values but no time limit and no overhead.
+(`errors`, `timeouts`), and the run goes on; but a run whose first training step could score
+no response at all stops there (`check_first_step`): that score is broken. Only a separate
+process can cut off a hang in C code (a signal alarm waits for the C call to return), so by
+default scoring runs in one persistent worker process fed a whole batch at a time; a call
+that overruns its limit kills the worker, and a fresh one scores the rest of the batch. A
+task whose scorer is trivially safe says so (`score_is_safe = True`, e.g. arithmetic's exact
+match) and is scored in-process, with the same checks on exceptions and values but no time
+limit and no overhead.
 
 A score is a number in the task's `reward_range` ([0, 1] unless the task says otherwise), or
 a `Reward`: the number and its named parts (e.g. one per reward function of a dataset task),
@@ -50,6 +52,16 @@ class ScoringSettings(Section):
     )
 
 
+class ScoreError(Exception):
+    """Raised by a score whose message tells the whole failure, what failed included (e.g.
+    "reward function m:f raised ..."): the problem is reported as that message."""
+
+
+# The problem of a response the score has no value for (a dataset task's functions all
+# abstained): reward 0 and counted in errors, but no sign that the score is broken.
+ABSTAINED = "every reward function returned None"
+
+
 @dataclass(frozen=True)
 class Reward:
     """A score with its named parts; a part is None where it does not apply (abstains)."""
@@ -64,7 +76,12 @@ class Scored:
     errors: int = 0  # raised, or returned something other than a number in the reward range
     timeouts: int = 0  # ran past the time limit
     parts: list[dict | None] = field(default_factory=list)  # per response: a Reward's parts, or None
-    problems: list[str] = field(default_factory=list)  # what went wrong, one entry per error
+    problems: list[str] = field(default_factory=list)  # what went wrong ("score raised ..."), one per error
+
+    @property
+    def failures(self) -> int:
+        """The errors that show the score broken: all but abstentions."""
+        return sum(p != ABSTAINED for p in self.problems)
 
     def part_sums(self, names) -> list[tuple[float, int]]:
         """(sum, count) of each named part over the responses where it has a value."""
@@ -91,8 +108,10 @@ def score_detail(score, response: str, example, reward_range=RANGE) -> tuple[flo
     low, high = reward_range
     try:
         value = score(response, example)
+    except ScoreError as e:
+        return 0.0, str(e), None
     except Exception as e:  # user code: any failure is that response's problem only
-        return 0.0, f"raised {type(e).__name__}: {e}", None
+        return 0.0, f"score raised {type(e).__name__}: {e}", None
     parts = None
     if isinstance(value, Reward):
         parts = value.parts
@@ -100,13 +119,13 @@ def score_detail(score, response: str, example, reward_range=RANGE) -> tuple[flo
         if bad:
             return (
                 0.0,
-                f"returned part {bad[0]}={parts[bad[0]]!r:.60}, expected a finite number or None",
+                f"score returned part {bad[0]}={parts[bad[0]]!r:.60}, expected a finite number or None",
                 None,
             )
         value = value.value
     if _check(value, low, high):
         return float(value), None, parts
-    return 0.0, f"returned {value!r:.60}, expected {_range_text(low, high)}", None
+    return 0.0, f"score returned {value!r:.60}, expected {_range_text(low, high)}", None
 
 
 def _worker(fd: int) -> None:
@@ -114,9 +133,6 @@ def _worker(fd: int) -> None:
     conn = Connection(fd)
     path, payload = conn.recv()
     sys.path[:] = path
-    # The package's module, not this __main__ copy: a task's Reward is emapg.rewards.Reward.
-    from emapg.rewards import score_detail as detail
-
     try:
         score, reward_range = pickle.loads(payload)
     except Exception as e:
@@ -129,7 +145,7 @@ def _worker(fd: int) -> None:
         except EOFError:  # the trainer is gone
             return
         for response, example in batch:
-            conn.send(detail(score, response, example, reward_range))
+            conn.send(score_detail(score, response, example, reward_range))
 
 
 class _NotPicklable(Exception):
@@ -142,15 +158,19 @@ class RewardScorer:
     isolation: "auto" (a worker process unless the task declares `score_is_safe` or cannot be
     pickled, which is logged), "process" (a task that cannot be pickled is an error) or "inline". `timeout_s` bounds each call in a worker. Use as a context
     manager (or call `close`) to stop the worker.
+
+    The first problem of a run is logged (once: the counts tell the rest); with `hold_warning`
+    only once `check_first_step` passes, so that a run stopped there prints its error alone.
     """
 
-    def __init__(self, task, *, timeout_s: float, isolation: str = "auto"):
+    def __init__(self, task, *, timeout_s: float, isolation: str = "auto", hold_warning: bool = False):
         validated(ScoringSettings, {"reward_timeout_s": timeout_s, "reward_isolation": isolation}, "task")
         self.task, self.timeout_s = task, timeout_s
         self.reward_range = tuple(getattr(task, "reward_range", RANGE))
         self.inline = isolation == "inline" or (isolation == "auto" and getattr(task, "score_is_safe", False))
         self._process = self._conn = None
-        self._warned = False
+        self._problem: str | None = None  # the run's first problem
+        self._hold = hold_warning
         if not self.inline:
             try:
                 self._start()  # now, so a task that cannot run in a worker fails before any work
@@ -182,13 +202,13 @@ class RewardScorer:
                 out.rewards.append(0.0)
                 out.parts.append(None)
                 out.timeouts += 1
-                self._warn(f"took longer than task.reward_timeout_s={self.timeout_s} s")
+                self._warn(f"score took longer than task.reward_timeout_s={self.timeout_s} s")
                 self._stop()
                 return done + 1
             try:
                 self._record(out, *self._conn.recv())
             except EOFError:  # the score killed its process (os._exit, a crash in C code)
-                self._record(out, 0.0, "ended the worker process")
+                self._record(out, 0.0, "score ended the worker process")
                 self._stop()
                 return done + 1
         return len(items)
@@ -202,14 +222,36 @@ class RewardScorer:
             self._warn(problem)
 
     def _warn(self, problem: str) -> None:
-        if not self._warned:  # once per run: the counts in the metrics tell the rest
-            self._warned = True
-            log.warning(
-                "task %r: score %s on a response; it gets reward 0 (counted in reward/errors and "
-                "reward/timeouts; further problems are not logged)",
-                getattr(self.task, "name", type(self.task).__name__),
-                problem,
+        if self._problem is None:
+            self._problem = problem
+            if not self._hold:
+                self._log_problem()
+
+    def _log_problem(self) -> None:
+        log.warning(
+            "task %r: %s on a response; it gets reward 0 (counted in reward/errors and "
+            "reward/timeouts; further problems are not logged)",
+            self._task_name(),
+            self._problem,
+        )
+
+    def _task_name(self) -> str:
+        return getattr(self.task, "name", type(self.task).__name__)
+
+    def check_first_step(self, problems: list[str], failures: int, responses: int, step: int) -> None:
+        """A run's first training step scored `responses` with `failures` (Scored.failures;
+        every process's counts, `problems`: this process's). Stop when every one failed: a score
+        that fails on every response is broken (e.g. a text reward on chat completions), and the
+        run would learn nothing from rewards of 0. Else log the problem held back so far."""
+        if failures == responses:
+            raise EmapgError(
+                f"task {self._task_name()!r}: {problems[0]}, on every one of the {responses} responses "
+                f"of step {step}; with every reward 0 the run would learn nothing: fix the reward"
             )
+        if self._hold:
+            self._hold = False
+            if self._problem is not None:
+                self._log_problem()
 
     def _start(self) -> None:
         # A fresh interpreter, not fork (forking a process with torch's threads running can
@@ -222,8 +264,11 @@ class RewardScorer:
                 f"({type(e).__name__}: {e})"
             ) from None
         ours, theirs = socket.socketpair()
+        # `-c`, not `-m emapg.rewards`: that runs a second copy of this module (emapg imports it
+        # first), with a RuntimeWarning on stderr at every start.
+        worker = "import sys; from emapg.rewards import _worker; _worker(int(sys.argv[1]))"
         process = subprocess.Popen(
-            [sys.executable, "-m", "emapg.rewards", str(theirs.fileno())],
+            [sys.executable, "-c", worker, str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
         )
@@ -258,7 +303,3 @@ class RewardScorer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]))

@@ -211,7 +211,11 @@ def warm_start(
     settings = _settings(recipe, model_kwargs, sft_kwargs, target_accuracy, num_val, base)
     examples = recipe.examples
     if target_accuracy is not None and len(examples) <= num_val:
-        raise EmapgError(f"warm_start: num_val={num_val} needs more than {len(examples)} training examples")
+        raise EmapgError(
+            f"the warm start measures warmstart.target_accuracy on {num_val} training examples held out "
+            f"from it, and the task has {len(examples)} (after task.num_eval for evaluation): give more "
+            "training data, a smaller task.num_eval, or warmstart.target_accuracy=0 (warmstart.steps, no target)"
+        )
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     cache_dir = Path(cache_dir)
     final = cache_dir / f"warm-start-{recipe.task.name}-{key}"

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from emapg import checkpoint, distributed, dynamic_sampling, kl, lora
+from emapg import checkpoint, distributed, dynamic_sampling, kl, lora, run_folder
 from emapg.advantages import advantages, overlong_shaping
 from emapg.anchor import Anchor
 from emapg.async_rollout.workers import RolloutWorkers
@@ -401,6 +401,13 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
     run_dir = Path(cfg.train.output_dir) / cfg.train.name
     ckpt_dir = run_dir / "checkpoints"
+    if not resume:
+        run_folder.claim(run_dir)
+    else:
+        changes = run_folder.resume_changes(run_folder.saved_config(run_dir), cfg.model_dump())
+        if distributed.is_main():
+            print("".join(f"--resume: {change}\n" for change in changes), end="", flush=True)
+    distributed.barrier()  # every rank has looked at the folder before rank 0 changes it
     if distributed.is_main():
         checkpoint.remove_partial(ckpt_dir)
     distributed.barrier()
@@ -417,7 +424,12 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     train_examples, eval_examples = task.train_examples(), task.eval_examples()
     if not eval_examples:
         raise EmapgError(f"task {task.name!r} has no evaluation examples")
-    scorer = RewardScorer(task, timeout_s=cfg.task.reward_timeout_s, isolation=cfg.task.reward_isolation)
+    scorer = RewardScorer(
+        task,
+        timeout_s=cfg.task.reward_timeout_s,
+        isolation=cfg.task.reward_isolation,
+        hold_warning=cfg.train.steps > 0,  # until the first step's check_first_step
+    )
     validation = ValidationSets.load(cfg.eval.datasets, getattr(cfg.task, "prompt", "") or PROMPT,
                                      cfg.task.reward_timeout_s)  # fmt: skip
     model, tokenizer, model_dir = load_policy(cfg, task, cfg.train.progress and distributed.is_main())
@@ -580,7 +592,8 @@ def sampled_groups(run: Run, params: SamplingParams, timer: PhaseTimer, step: in
     """This step's groups (this rank's rows, on the policy's device) with their task rewards, and
     the sampling metrics: one round, dynamic sampling's rounds (dynamic_sampling.py), or (async)
     the batch a worker drew ahead."""
-    cfg, counts, extra = run.cfg, {"errors": 0, "timeouts": 0}, {}
+    cfg, counts, extra = run.cfg, {"errors": 0, "timeouts": 0, "failures": 0, "responses": 0}, {}
+    problems: list[str] = []  # this rank's first problem of each round, for the first step's check
 
     def one_round() -> Round:
         if cfg.rollout.mode == "async":
@@ -594,6 +607,9 @@ def sampled_groups(run: Run, params: SamplingParams, timer: PhaseTimer, step: in
             scored = run.scorer(batch.texts, examples)
         counts["errors"] += scored.errors
         counts["timeouts"] += scored.timeouts
+        counts["failures"] += scored.failures
+        counts["responses"] += len(scored.rewards)
+        problems.extend(scored.problems[:1])
         return Round(examples, batch, scored.rewards, scored.parts)
 
     if cfg.algo.dynamic_sampling:
@@ -605,9 +621,16 @@ def sampled_groups(run: Run, params: SamplingParams, timer: PhaseTimer, step: in
     else:
         got, metrics = one_round(), {}
     uniform = sum(uniform_groups(torch.tensor(got.rewards), cfg.rollout.group_size))
-    uniform, groups, errors, timeouts = distributed.sum_all(
-        uniform, len(got.rewards) / cfg.rollout.group_size, counts["errors"], counts["timeouts"]
+    uniform, groups, errors, timeouts, failures, responses = distributed.sum_all(
+        uniform,
+        len(got.rewards) / cfg.rollout.group_size,
+        counts["errors"],
+        counts["timeouts"],
+        counts["failures"],
+        counts["responses"],
     )
+    if step == run.start + 1:  # before the update: a run whose every reward failed stops here
+        run.scorer.check_first_step(problems, int(failures), int(responses), step)
     return got, {
         **metrics,
         **extra,

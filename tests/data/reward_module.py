@@ -41,3 +41,32 @@ def not_a_number(completions, **kwargs):
 
 def needs_solution(completions, solution):
     return [0.0 for _ in completions]
+
+
+def broken(completions, **kwargs):
+    """Raises on every completion: a bug in the function."""
+    raise ZeroDivisionError("division by zero")
+
+
+def text_only(completions, **kwargs):
+    """TRL's common mistake: a reward for text completions, which fails on chat messages."""
+    return [1.0 if c.strip() else 0.0 for c in completions]
+
+
+def only_the_answer(completions, answer, **kwargs):
+    """Scores the reference answer and raises on anything else (a model's responses)."""
+    for c, a in zip(completions, answer, strict=True):
+        if c != a:
+            raise ValueError(f"not a number: {c!r}")
+    return [1.0 for _ in completions]
+
+
+CALLS = [0]
+
+
+def every_other(completions, **kwargs):
+    """1.0, then raises on every second call of its process."""
+    CALLS[0] += 1
+    if CALLS[0] % 2 == 0:
+        raise ValueError("every other call")
+    return [1.0 for _ in completions]

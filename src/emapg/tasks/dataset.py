@@ -24,7 +24,7 @@ from pydantic import model_validator
 from emapg.errors import EmapgError
 from emapg.prompts import ChatPrompt
 from emapg.reward_fns import RewardFunction, RewardReturnError, load_reward_functions
-from emapg.rewards import Reward
+from emapg.rewards import ABSTAINED, Reward
 from emapg.settings import Float, check, setting
 from emapg.tasks.base import Example, ProblemSettings, Task, WarmStartRecipe
 from emapg.tasks.records import FILE_TYPES, read_records
@@ -216,7 +216,7 @@ class DatasetTask(Task):
         parts = {f.name: f(prompt, completion, example.meta["columns"]) for f in self.fns}
         given = [(f.weight, parts[f.name]) for f in self.fns if parts[f.name] is not None]
         if not given:
-            raise RewardReturnError("every reward function returned None")
+            raise RewardReturnError(ABSTAINED)
         return Reward(sum(w * v for w, v in given), parts)
 
     # The reward worker needs the functions, not the data: send their import paths.
@@ -255,17 +255,18 @@ def _chars(texts) -> str:
 
 def check_returns(task: DatasetTask, timeout_s: float, isolation: str) -> None:
     """Before any step: score the first training example's reference completion (or an empty
-    one) through the guarded scorer, and stop when a function returns something that is not a
-    list of one number or None. A raise or a timeout here is left to training, which counts it."""
+    one) through the guarded scorer, and stop when a function raises (as TRL would) or returns
+    something that is not a list of one number or None. A timeout here is left to training,
+    which counts it, and so is every function abstaining."""
     from emapg.rewards import RewardScorer
 
     example = task.train_examples()[0]
-    with RewardScorer(task, timeout_s=timeout_s, isolation=isolation) as scorer:
-        scored = scorer([example.answer], [example])
-    prefix = f"raised {RewardReturnError.__name__}: "
-    for problem in scored.problems:
-        if problem.startswith(prefix) and "every reward function returned None" not in problem:
-            raise EmapgError(f"task.reward_fns: {problem.removeprefix(prefix)}")
+    # hold_warning: a problem here stops the run with its one line, or is training's to report
+    with RewardScorer(task, timeout_s=timeout_s, isolation=isolation, hold_warning=True) as scorer:
+        problems = [p for p in scorer([example.answer], [example]).problems if p != ABSTAINED]
+    if problems:
+        probe = f"its task.answer_field {task.answer_field!r}" if task.answer_field else "an empty completion"
+        raise EmapgError(f"task.reward_fns: {problems[0]} (called on the first training record with {probe})")
 
 
 def from_config(cfg) -> DatasetTask:

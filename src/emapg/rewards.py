@@ -22,13 +22,12 @@ import logging
 import math
 import numbers
 import pickle
-import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import ClassVar, Literal
 
+from emapg import fresh_process
 from emapg.errors import EmapgError
 from emapg.settings import Float, Section, setting, validated
 
@@ -254,8 +253,6 @@ class RewardScorer:
                 self._log_problem()
 
     def _start(self) -> None:
-        # A fresh interpreter, not fork (forking a process with torch's threads running can
-        # deadlock the child) and not multiprocessing's spawn (it re-runs the user's main script).
         try:
             payload = pickle.dumps((self.task.score, self.reward_range))
         except Exception as e:
@@ -263,18 +260,7 @@ class RewardScorer:
                 f"task {type(self.task).__name__}: cannot be sent to a reward worker process "
                 f"({type(e).__name__}: {e})"
             ) from None
-        ours, theirs = socket.socketpair()
-        # `-c`, not `-m emapg.rewards`: that runs a second copy of this module (emapg imports it
-        # first), with a RuntimeWarning on stderr at every start.
-        worker = "import sys; from emapg.rewards import _worker; _worker(int(sys.argv[1]))"
-        process = subprocess.Popen(
-            [sys.executable, "-c", worker, str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
-        conn = Connection(ours.detach())
-        conn.send((sys.path, payload))
+        process, conn = fresh_process.start("emapg.rewards:_worker", (sys.path, payload))
         try:
             reply = conn.recv() if conn.poll(STARTUP_TIMEOUT_S) else "no reply"
         except EOFError:

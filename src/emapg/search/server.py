@@ -31,7 +31,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from emapg import fresh_process
 from emapg.errors import EmapgError
 
 if TYPE_CHECKING:  # not imported at run time: the CLI reads the defaults without numpy or bm25s
@@ -150,9 +150,8 @@ def _worker(fd: int) -> None:
 class _Workers:
     """`n` worker processes, each answering one request at a time; a request waits for an idle one.
 
-    Each is a fresh interpreter, as the reward worker is (emapg.rewards: not fork, whose child of
-    a threaded process can deadlock, and not multiprocessing's spawn, which re-runs the main
-    script), and gets the retriever pickled: a BM25 index pickles as its corpus's path and opens
+    Each is a fresh interpreter (emapg.fresh_process), as the reward worker is, and gets the
+    retriever pickled: a BM25 index pickles as its corpus's path and opens
     the same memory-mapped files. One that dies (killed, out of memory) fails its request with a
     500 and is replaced."""
 
@@ -169,17 +168,8 @@ class _Workers:
             raise
 
     def _spawn(self) -> tuple[subprocess.Popen, Connection]:
-        ours, theirs = socket.socketpair()
-        code = "import sys; from emapg.search.server import _worker; _worker(int(sys.argv[1]))"
-        process = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
+        process, conn = fresh_process.start("emapg.search.server:_worker", self._setup)
         self._processes.append(process)
-        conn = Connection(ours.detach())
-        conn.send(self._setup)
         return process, conn
 
     def _ready(self, process: subprocess.Popen, conn: Connection) -> tuple[subprocess.Popen, Connection]:

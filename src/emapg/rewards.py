@@ -22,9 +22,7 @@ import logging
 import math
 import numbers
 import pickle
-import sys
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import ClassVar, Literal
 
 from emapg import fresh_process
@@ -129,15 +127,10 @@ def score_detail(score, response: str, example, reward_range=RANGE) -> tuple[flo
 
 def _worker(fd: int) -> None:
     """The worker process: receive the parent's sys.path and the pickled `score`, then batches."""
-    conn = Connection(fd)
-    path, payload = conn.recv()
-    sys.path[:] = path
-    try:
-        score, reward_range = pickle.loads(payload)
-    except Exception as e:
-        conn.send(f"cannot load the task: {type(e).__name__}: {e}")
+    accepted = fresh_process.accept(fd)
+    if accepted is None:
         return
-    conn.send("ready")
+    conn, (score, reward_range) = accepted
     while True:
         try:
             batch = conn.recv()
@@ -260,7 +253,7 @@ class RewardScorer:
                 f"task {type(self.task).__name__}: cannot be sent to a reward worker process "
                 f"({type(e).__name__}: {e})"
             ) from None
-        process, conn = fresh_process.start("emapg.rewards:_worker", (sys.path, payload))
+        process, conn = fresh_process.start("emapg.rewards:_worker", payload)
         try:
             reply = conn.recv() if conn.poll(STARTUP_TIMEOUT_S) else "no reply"
         except EOFError:

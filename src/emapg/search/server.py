@@ -131,15 +131,10 @@ def _worker(fd: int) -> None:
     """A worker process: receive sys.path, the pickled retriever and the limits, then answer
     request bodies one at a time until the server closes the connection."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it closes its workers
-    conn = Connection(fd)
-    path, payload, max_queries, max_query_chars = conn.recv()
-    sys.path[:] = path
-    try:
-        retriever = pickle.loads(payload)
-    except Exception as e:
-        conn.send(f"{type(e).__name__}: {e}")
+    accepted = fresh_process.accept(fd)
+    if accepted is None:
         return
-    conn.send("ready")
+    conn, (retriever, max_queries, max_query_chars) = accepted
     while True:
         try:
             conn.send(answer(retriever, conn.recv_bytes(), max_queries, max_query_chars))
@@ -156,7 +151,7 @@ class _Workers:
     500 and is replaced."""
 
     def __init__(self, retriever, n: int, max_queries: int, max_query_chars: int):
-        self._setup = (sys.path, pickle.dumps(retriever), max_queries, max_query_chars)
+        self._setup = pickle.dumps((retriever, max_queries, max_query_chars))
         self._processes: list[subprocess.Popen] = []
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False

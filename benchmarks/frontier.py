@@ -23,7 +23,7 @@ arithmetic, 16 prompts x 16 samples a step, held-out accuracy of 200 problems x 
 Every run evaluates every steps/12 steps with eval.kl (eval/drift_kl: KL of the policy to its
 start on the evaluation's responses; eval/anchor_kl) and, where the anchor moves, eval.anchor.
 Per run: final and best held-out accuracy, the anchor's final accuracy, final drift, KL to the
-anchor and entropy (means over the last 10 steps) and `emapg.report.collapse`'s flag. Per cell:
+anchor, entropy and response length (means over the last 10 steps) and `emapg.report.collapse`'s flag. Per cell:
 mean ± std over seeds; beside it, each moving anchor's final accuracy minus the frozen one's,
 paired by seed at the same beta and estimator. Writes its block of benchmarks/RESULTS.md and the
 picture benchmarks/frontier.png (final accuracy against drift, a curve per anchor, a point per
@@ -63,9 +63,11 @@ SHARED = ["kl.k=32", "kl.direction=reverse", "kl.importance_weight=true", "eval.
 BASE_LR = 2e-4  # optim.lr's default, which the quickstart keeps
 
 
-def cell_overrides(anchor: str, estimator: str, beta: float, lr_factor: int, steps: int) -> list[str]:
+def cell_overrides(
+    anchor: str, estimator: str, beta: float, lr_factor: int, steps: int, base_lr: float = BASE_LR
+) -> list[str]:
     """The settings of one cell; anchor "none" is kl.beta 0."""
-    lr = [f"optim.lr={BASE_LR * lr_factor:g}"]
+    lr = [f"optim.lr={base_lr * lr_factor:g}"]
     if anchor == "none":
         return ["anchor.kind=none", "kl.beta=0", *lr]
     eta, period = ANCHORS[anchor]
@@ -82,21 +84,24 @@ def cell_name(anchor: str, estimator: str, beta: float, lr_factor: int) -> str:
     return f"{anchor}-{estimator}-beta{beta:g}-lr{lr_factor}x"
 
 
-def train_cell(name: str, overrides: list[str], out: Path) -> float:
-    """run_one, with a run the trainer stops (non-finite steps in a row) recorded as diverged."""
+def train_cell(name: str, overrides: list[str], out: Path, base: str = "quickstart") -> float:
+    """run_one on config `base`, with a run the trainer stops (non-finite steps in a row) recorded
+    as diverged."""
     try:
-        return run_one(name, "quickstart", overrides, out)
+        return run_one(name, base, overrides, out)
     except EmapgError as e:
         (out / name / "failed.json").write_text(json.dumps({"error": str(e)}))
         print(f"{name}: stopped: {e}", flush=True)
         return 0.0
 
 
-def train_all(cells: dict[str, list[str]], seeds: int, out: Path, jobs: int) -> None:
+def train_all(
+    cells: dict[str, list[str]], seeds: int, out: Path, jobs: int, base: str = "quickstart"
+) -> None:
     """Every cell on every seed, seed-major: a partial grid holds every cell at its first seeds."""
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [
-            pool.submit(train_cell, f"{name}-seed{seed}", [*overrides, f"train.seed={seed}"], out)
+            pool.submit(train_cell, f"{name}-seed{seed}", [*overrides, f"train.seed={seed}"], out, base)
             for seed in range(seeds)
             for name, overrides in cells.items()
         ]
@@ -125,6 +130,7 @@ def summarize(out: Path, name: str) -> dict:
         "drift": final("eval/drift_kl"),
         "kl": math.nan if name.startswith("none-") else last("kl/value"),  # no anchor: no KL
         "entropy": last("entropy"),
+        "length": last("response_length/mean"),
         "collapse": "diverged" if failed else collapse(run),
     }
 
@@ -144,7 +150,7 @@ def fmt(mean: float, std: float, digits: int) -> str:
 
 def table(cells: dict[str, list[dict]]) -> str:
     header = ["cell", "final accuracy", "best accuracy", "anchor's accuracy", "drift KL", "KL to anchor (last)",
-              "entropy (last)", "collapsed"]  # fmt: skip
+              "entropy (last)", "response length (last)", "collapsed"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, runs in cells.items():
         flags = [r["collapse"] for r in runs if r["collapse"]]
@@ -155,7 +161,8 @@ def table(cells: dict[str, list[dict]]) -> str:
             "| " + " | ".join([
                 f"`{name}`", fmt(*cell_stats(runs, "final"), 3), fmt(*cell_stats(runs, "best"), 3),
                 fmt(*cell_stats(runs, "anchor_acc"), 3), fmt(*cell_stats(runs, "drift"), 4),
-                fmt(*cell_stats(runs, "kl"), 4), fmt(*cell_stats(runs, "entropy"), 3), collapsed,
+                fmt(*cell_stats(runs, "kl"), 4), fmt(*cell_stats(runs, "entropy"), 3),
+                fmt(*cell_stats(runs, "length"), 1), collapsed,
             ]) + " |"
         )  # fmt: skip
     return "\n".join(lines) + "\n"

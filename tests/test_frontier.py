@@ -28,7 +28,8 @@ def made_up(accuracy: list[float], entropy: float = 0.3) -> Run:
     [
         ([0.3, 0.5, 0.6, 0.14], 0.3, "accuracy"),  # rose, then fell below half its start (0.15)
         ([0.3, 0.5, 0.6, 0.16], 0.3, None),  # fell, but not below the floor
-        ([0.3, 0.2, 0.1, 0.05], 0.3, None),  # never rose: a run that did not learn has not collapsed
+        ([0.3, 0.2, 0.1, 0.05], 0.3, "accuracy"),  # never rose, only degraded: collapsed too
+        ([0.3, 0.2, 0.25, 0.2], 0.3, None),  # did not learn, and stayed above the floor
         ([0.3, 0.5, 0.6, 0.7], 0.005, "entropy"),
         ([0.3, 0.5, 0.6, 0.7], 0.3, None),
     ],
@@ -73,7 +74,7 @@ def test_frontier_smoke_grid_table_and_reuse(tmp_path, tiny_model_dir):
     grid = ["frozen-topk-beta0.1-lr1x", "ema-topk-beta0.1-lr1x", "none-beta0-lr1x"]
     stress = ["frozen-topk-beta0.1-lr3x", "ema-topk-beta0.1-lr3x", "none-beta0-lr3x"]
     assert names == grid + grid + stress
-    assert all(len(r) == 8 for r in rows(text))
+    assert all(len(r) == 9 for r in rows(text))
     ema = rows(text)[1]
     assert ema[3] != "-" and rows(text)[0][3] == "-"  # the anchor's accuracy: where the anchor moves
     assert "| topk, 0.1 | " in text  # the paired difference against the frozen anchor

@@ -113,22 +113,19 @@ def steps_to_threshold(run: Run, threshold: float) -> int | None:
     return next((s for s in sorted(series) if series[s] >= threshold), None)
 
 
-ACCURACY_FLOOR = 0.5  # collapse: held-out accuracy below this fraction of its start, after rising
+ACCURACY_FLOOR = 0.5  # collapse: held-out accuracy below this fraction of its start
 ENTROPY_FLOOR = 0.01  # collapse: entropy (nats per token, trailing mean) below this
 
 
 def collapse(run: Run, window: int = 10) -> str | None:
-    """Why the run collapsed, or None: "accuracy" when its held-out accuracy, after rising above
-    its first evaluation, falls below ACCURACY_FLOOR times that first value; "entropy" when its
-    policy entropy, a trailing mean over `window` steps, falls below ENTROPY_FLOOR nats per token."""
+    """Why the run collapsed, or None: "accuracy" when its held-out accuracy falls below
+    ACCURACY_FLOOR times its first evaluation (whether or not it rose first: a run that only
+    degrades from its start has collapsed too); "entropy" when its policy entropy, a trailing mean
+    over `window` steps, falls below ENTROPY_FLOOR nats per token."""
     acc = run.series.get("eval/accuracy", {})
     steps = sorted(acc)
-    if steps:
-        start, risen = acc[steps[0]], False
-        for s in steps[1:]:
-            risen = risen or acc[s] > start
-            if risen and acc[s] < ACCURACY_FLOOR * start:
-                return "accuracy"
+    if steps and any(acc[s] < ACCURACY_FLOOR * acc[steps[0]] for s in steps[1:]):
+        return "accuracy"
     _, entropy = aligned([run], "entropy", window)
     if entropy and min(entropy[0]) < ENTROPY_FLOOR:
         return "entropy"

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from emapg import trainer
-from emapg.anchor import Anchor
-from emapg.config import load_config
-from emapg.models import load_model_and_tokenizer
+from emapg.model.anchor import Anchor
+from emapg.model.models import load_model_and_tokenizer
 from emapg.tasks import make_task
+from emapg.training import loop as trainer
+from emapg.training.config import load_config
 
 SETTINGS = ((0.9, 1), (0.9, 10), (0.95, 10))  # (eta, period): the paper's two, and every step
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from emapg.checkpoint_eval import evaluate_checkpoint
+from emapg.training.checkpoint_eval import evaluate_checkpoint
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "async_runs"  # run directories (a run replaces the last one of its name)

@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from emapg.models import build_tiny_model, build_tiny_tokenizer
-from emapg.sft import sft
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.math import TINY_EXTRA_CHARS, MathTask, warm_start
 from emapg.tasks.math_data import load_problems
+from emapg.training.sft import sft
 
 PROBLEMS = [
     {"problem": "What is 2 + 3 * 4?", "answer": "14"},

@@ -23,7 +23,7 @@ arithmetic, 16 prompts x 16 samples a step, held-out accuracy of 200 problems x 
 Every run evaluates every steps/12 steps with eval.kl (eval/drift_kl: KL of the policy to its
 start on the evaluation's responses; eval/anchor_kl) and, where the anchor moves, eval.anchor.
 Per run: final and best held-out accuracy, the anchor's final accuracy, final drift, KL to the
-anchor, entropy and response length (means over the last 10 steps) and `emapg.report.collapse`'s flag. Per cell:
+anchor, entropy and response length (means over the last 10 steps) and `emapg.eval.report.collapse`'s flag. Per cell:
 mean ± std over seeds; beside it, each moving anchor's final accuracy minus the frozen one's,
 paired by seed at the same beta and estimator. Writes its block of benchmarks/RESULTS.md and the
 picture benchmarks/frontier.png (final accuracy against drift, a curve per anchor, a point per
@@ -43,7 +43,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from emapg.errors import EmapgError
-from emapg.report import FrontierPoint, Run, collapse, load_run, plot_frontier
+from emapg.eval.report import FrontierPoint, Run, collapse, load_run, plot_frontier
 from study import run_one, write_block
 
 HERE = Path(__file__).resolve().parent
@@ -279,7 +279,7 @@ def main() -> None:
         f"invocation; finished runs are reused). {args.seeds} seeds, {steps} steps a run; mean ± std over seeds.\n"
         "Final accuracy: the last evaluation; anchor's accuracy: the anchor's weights evaluated there\n"
         "(eval.anchor); drift KL: KL(policy || start) per token on the evaluation's responses at the end;\n"
-        "collapsed: runs flagged by `emapg.report.collapse` (or stopped: diverged). Picture:\n"
+        "collapsed: runs flagged by `emapg.eval.report.collapse` (or stopped: diverged). Picture:\n"
         f"`benchmarks/{args.png.name}`.\n\n"
         + table({name: results[name] for name in grid})
         + "\n### Each moving anchor against the frozen one, paired by seed (final accuracy)\n\n"

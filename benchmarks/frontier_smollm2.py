@@ -34,8 +34,8 @@ import statistics
 import time
 from pathlib import Path
 
-from emapg.config import load_config
-from emapg.report import load_run, plot
+from emapg.eval.report import load_run, plot
+from emapg.training.config import load_config
 from frontier import SHARED, cell_name, cell_overrides, summarize, table, train_all
 from study import write_block
 

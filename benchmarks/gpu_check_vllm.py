@@ -68,8 +68,8 @@ def report_gap(label: str, model, out, temperature: float, k: int) -> None:
 def mismatch_against_float32(args, out) -> None:
     """The bfloat16 engine's samples against a float32 trainer's recomputed pi_old, the common GPU
     set-up: the figures benchmarks/rollout_mismatch.py prints on CPU."""
-    from emapg.config import load_config
-    from emapg.models import load_model_and_tokenizer
+    from emapg.model.models import load_model_and_tokenizer
+    from emapg.training.config import load_config
     from rollout_mismatch import header, mismatch_figures, row
 
     policy = load_model_and_tokenizer(args.model, dtype=torch.float32)[0].cuda().eval()
@@ -83,7 +83,7 @@ def mismatch_against_float32(args, out) -> None:
 
 
 def engine_checks(args) -> None:
-    from emapg.models import load_model_and_tokenizer
+    from emapg.model.models import load_model_and_tokenizer
     from emapg.prompts import encode_prompts
     from emapg.rollout.base import SamplingParams, eos_ids
     from emapg.rollout.vllm import VllmEngine
@@ -138,8 +138,8 @@ def engine_checks(args) -> None:
 
 
 def step_seconds(path: str, steps: int, overrides: list[str], engine: str) -> float:
-    from emapg.config import load_config
-    from emapg.trainer import train
+    from emapg.training.config import load_config
+    from emapg.training.loop import train
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(

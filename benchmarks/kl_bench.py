@@ -1,7 +1,7 @@
 """Cost and statistics of emapg's token-level KL estimators.
 
 Part 1, cost. The training path: policy hidden states [T, H] and LM head weight [V, H] ->
-emapg.topk.summarize_hidden gathered at the sampled token plus the top-k ids -> emapg.kl.from_summary
+emapg.algo.topk.summarize_hidden gathered at the sampled token plus the top-k ids -> emapg.algo.kl.from_summary
 -> backward into both. The rollout's top-k ids and the anchor's log-probs there are computed
 beforehand (they are stored between passes; their size is the "stored" column). Variants: K4 and
 top-k for each k through that path, exact KL through it with k = V, and the full-logits route other
@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from emapg import kl, topk
+from emapg.algo import kl, topk
 
 MB = 1e6
 QWEN_VOCAB = 151936
@@ -514,7 +514,7 @@ def parse_args(argv=None):
         "--chunk-size",
         type=int,
         default=None,
-        help="tokens per chunk of the summaries (default: emapg.topk's, 2^26 / V)",
+        help="tokens per chunk of the summaries (default: emapg.algo.topk's, 2^26 / V)",
     )
     p.add_argument(
         "--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU"

@@ -14,9 +14,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from emapg import lora
-from emapg.config import load_config
-from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.model import lora
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
+from emapg.training.config import load_config
 
 
 def qwen25_05b() -> torch.nn.Module:

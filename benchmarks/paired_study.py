@@ -25,7 +25,7 @@ import json
 import statistics
 from pathlib import Path
 
-from emapg.report import load_run, summary_table
+from emapg.eval.report import load_run, summary_table
 from study import run_one
 
 HERE = Path(__file__).resolve().parent

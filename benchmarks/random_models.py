@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from emapg.models import build_tiny_tokenizer
+from emapg.model.models import build_tiny_tokenizer
 
 # Qwen2.5-0.5B: 494.0M parameters with tied embeddings.
 QWEN_05B = {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}

@@ -60,7 +60,7 @@ def measure(label, search, n, build_s):
 
 t = time.perf_counter()
 if name == "emapg":
-    from emapg.search.bm25 import BM25Retriever
+    from emapg.tasks.search.bm25 import BM25Retriever
     r = BM25Retriever(corpus)
     build_s, build_rss = time.perf_counter() - t, rss()
     measure("emapg", lambda qs: [[row for row, _ in r.search(q, 3)] for q in qs], len(queries), build_s)
@@ -133,7 +133,7 @@ import numpy as np
 from pathlib import Path
 import faiss, torch
 from transformers import BertConfig, BertModel, BertTokenizerFast
-from emapg.search.dense import Encoder, EncoderSettings
+from emapg.tasks.search.dense import Encoder, EncoderSettings
 corpus, queries, n = sys.argv[1], json.loads(open(sys.argv[2]).read()), int(sys.argv[3])
 torch.manual_seed(0)
 where = Path(tempfile.mkdtemp())

@@ -37,8 +37,8 @@ from retrieval_scale import generate  # noqa: E402  (the same synthetic corpus)
 SRC = str(Path(__file__).resolve().parents[1] / "src")  # the emapg of this checkout
 SERVER = r"""
 import sys
-from emapg.search.bm25 import BM25Retriever
-from emapg.search.server import make_server
+from emapg.tasks.search.bm25 import BM25Retriever
+from emapg.tasks.search.server import make_server
 server = make_server(BM25Retriever(sys.argv[1]), port=0, workers=int(sys.argv[2]) or None)
 print(f"http://127.0.0.1:{server.server_address[1]}/retrieve", server.workers, flush=True)
 server.serve_forever()
@@ -50,7 +50,7 @@ _client = None
 def _connect(url: str) -> None:
     global _client
     sys.path.insert(0, SRC)
-    from emapg.search.retriever import HttpRetriever
+    from emapg.tasks.search.retriever import HttpRetriever
 
     _client = HttpRetriever(url, max_queries=4096, timeout_s=600)
 

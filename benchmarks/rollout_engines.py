@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from emapg.models import build_tiny_tokenizer
+from emapg.model.models import build_tiny_tokenizer
 from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.vllm import VllmEngine

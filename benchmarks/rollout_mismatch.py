@@ -28,11 +28,13 @@ import tempfile
 
 import torch
 
-from emapg import rollout_correction, trainer, update
-from emapg.config import load_config
+from emapg.algo import rollout_correction
 from emapg.prompts import encode_prompts
 from emapg.rollout import SamplingParams, eos_ids
 from emapg.tasks import make_task
+from emapg.training import loop as trainer
+from emapg.training import update
+from emapg.training.config import load_config
 from rollout_engines import add_model_arguments, load_average, random_model
 
 CAPS = (2.0, 3.0)

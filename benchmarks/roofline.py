@@ -3,7 +3,7 @@
 Measures the machine's peaks at the trainer's thread count (GEMM FLOP/s of torch.mm in float32
 and bfloat16, the best of square sizes 1024-4096; memory bandwidth, bytes/s of y += x over
 256 MiB arrays, two reads and a write), before and after the steps (the bound uses the higher),
-then runs real training steps (`emapg.trainer.training_step`, after setting
+then runs real training steps (`emapg.training.loop.training_step`, after setting
 up the run as `emapg train` does, without its evaluations) and prints per phase: its seconds
 and share of the step, the FLOP and bytes it must move, the FLOP/s and bytes/s it reached, the bound
 (the time the FLOP take at the GEMM peak, or the bytes at the bandwidth, whichever is longer)
@@ -57,11 +57,11 @@ import torch
 from torch import nn
 
 from emapg import distributed
-from emapg.config import load_config
-from emapg.lm_head import backbone
-from emapg.models import pin_cpu_kernels
+from emapg.model.lm_head import backbone
+from emapg.model.models import pin_cpu_kernels
 from emapg.rollout import Rollout
-from emapg.trainer import device_of, setup, training_params, training_step
+from emapg.training.config import load_config
+from emapg.training.loop import device_of, setup, training_params, training_step
 from random_models import QWEN_05B, padded_tokenizer, random_qwen2
 
 PHASES = ("rollout", "scoring", "old_logp", "anchor", "update", "ema")

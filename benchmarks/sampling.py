@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.prompts import encode_prompts
 from emapg.rollout import SamplingParams
 from emapg.rollout.hf import HFEngine, _SamplingRecorder

@@ -22,10 +22,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from emapg.checkpoint import list_checkpoints
-from emapg.config import load_config
-from emapg.report import load_run, plot, summary_table
-from emapg.trainer import train
+from emapg.eval.report import load_run, plot, summary_table
+from emapg.training.checkpoint import list_checkpoints
+from emapg.training.config import load_config
+from emapg.training.loop import train
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = {

@@ -60,10 +60,10 @@ from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 from transformers.utils import logging as hf_logging
 from trl import GRPOConfig, GRPOTrainer
 
-from emapg.config import load_config
-from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.arithmetic import ArithmeticTask, exact_match
-from emapg.trainer import train
+from emapg.training.config import load_config
+from emapg.training.loop import train
 from random_models import padded_tokenizer
 
 BETA = 0.01

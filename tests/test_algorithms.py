@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from emapg.advantages import advantages, overlong_shaping
-from emapg.anchor import Anchor
+from emapg.algo.advantages import advantages, overlong_shaping
+from emapg.algo.policy_loss import aggregate, aggregation_total, cispo, log_ratio, ppo_clip
 from emapg.errors import EmapgError
-from emapg.policy_loss import aggregate, aggregation_total, cispo, log_ratio, ppo_clip
+from emapg.model.anchor import Anchor
 
 
 def adv(name, rewards, group_size, lengths=None):

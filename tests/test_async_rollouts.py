@@ -17,12 +17,13 @@ import pytest
 import torch
 
 import emapg
-from emapg import checkpoint, trainer
-from emapg.async_rollout import link
-from emapg.async_rollout.workers import RolloutWorkers
-from emapg.config import load_config
 from emapg.errors import EmapgError
-from emapg.models import load_model_and_tokenizer
+from emapg.model.models import load_model_and_tokenizer
+from emapg.rollout.remote import link
+from emapg.rollout.remote.workers import RolloutWorkers
+from emapg.training import checkpoint
+from emapg.training import loop as trainer
+from emapg.training.config import load_config
 
 FAST = ["task.num_train=64", "task.num_eval=16", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=5", "algo.micro_batch_size=8", "train.progress=false",

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from emapg.cli import main
-from emapg.config import load_config
-from emapg.config_reference import help_text
 from emapg.errors import EmapgError
+from emapg.training.config import load_config
+from emapg.training.config_reference import help_text
 
 
 def test_defaults_file_and_overrides_compose(tmp_path):

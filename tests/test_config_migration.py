@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from emapg.config import CONFIG_DIR, load_config
 from emapg.tasks import TASKS
+from emapg.training.config import CONFIG_DIR, load_config
 from test_paper_configs import placeholders
 
 ROOT = Path(__file__).resolve().parents[1]

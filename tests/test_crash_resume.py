@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import emapg
 from emapg import cli
-from emapg.models import load_model_and_tokenizer
+from emapg.model.models import load_model_and_tokenizer
 
 ARGS = ["task.num_train=32", "task.num_eval=4", "eval.samples=1", "rollout.prompts_per_step=2", "rollout.group_size=4",
         "rollout.max_new_tokens=4", "algo.micro_batch_size=8", "train.progress=false",
@@ -24,7 +24,8 @@ ARGS = ["task.num_train=32", "task.num_eval=4", "eval.samples=1", "rollout.promp
 # Run the CLI in a child that SIGKILLs itself at a chosen point, so the kill is deterministic.
 KILLER = """
 import os, signal, sys
-from emapg import checkpoint, cli, trainer
+from emapg.training import checkpoint, loop as trainer
+from emapg import cli
 point = sys.argv[1]
 def die(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 
 import emapg
-from emapg import trainer
 from emapg.errors import EmapgError
-from emapg.models import build_tiny_tokenizer
+from emapg.model.models import build_tiny_tokenizer
 from emapg.prompts import ChatPrompt, encode_prompts
-from emapg.reward_fns import CHAT_HINT
-from emapg.rewards import RewardScorer
 from emapg.tasks import make_task
 from emapg.tasks.dataset import load_rows
 from emapg.tasks.math import PROMPT
+from emapg.tasks.reward_fns import CHAT_HINT
+from emapg.tasks.rewards import RewardScorer
+from emapg.training import loop as trainer
 from test_trainer import FAST, config
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -1,4 +1,4 @@
-"""Dense retrieval (emapg.search.dense) with a tiny random BERT encoder built here: the pooling,
+"""Dense retrieval (emapg.tasks.search.dense) with a tiny random BERT encoder built here: the pooling,
 FAISS against brute force, approximate indexes' recall, a killed build resuming, Search-R1's
 single index file."""
 
@@ -14,7 +14,7 @@ import torch
 from transformers import BertConfig, BertModel, BertTokenizerFast
 
 from emapg.errors import EmapgError
-from emapg.search.dense import DenseRetriever, Encoder, EncoderSettings, build_dense_index
+from emapg.tasks.search.dense import DenseRetriever, Encoder, EncoderSettings, build_dense_index
 
 faiss = pytest.importorskip("faiss")  # the optional extra emapg[dense]
 
@@ -367,7 +367,7 @@ def test_build_index_and_serve_retriever_dense_end_to_end(tmp_path, corpus, enco
 
     import emapg
     from emapg.cli import main
-    from emapg.search.retriever import HttpRetriever
+    from emapg.tasks.search.retriever import HttpRetriever
 
     copy = tmp_path / "wiki.jsonl"
     shutil.copy(corpus, copy)

@@ -19,12 +19,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import SEARCH_ARGS, torchrun
 from emapg import cli
-from emapg.config import load_config
 from emapg.errors import EmapgError
-from emapg.models import build_tiny_model, build_tiny_tokenizer
-from emapg.sft import sft
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.arithmetic import ArithmeticTask
-from emapg.tasks.search import TINY_EXTRA_CHARS
+from emapg.tasks.search.task import TINY_EXTRA_CHARS
+from emapg.training.config import load_config
+from emapg.training.sft import sft
 
 ETA, PERIOD, STEPS = 0.5, 2, 4
 TASK = ["task.num_train=40", "task.num_eval=5", "task.min_digits=1", "task.max_digits=1"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg.config_reference import REGENERATE, markdown_reference
+from emapg.training.config_reference import REGENERATE, markdown_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -36,7 +36,11 @@ def test_regenerate_command_prints_the_reference():
         "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
     }
     out = subprocess.run(
-        [sys.executable, "-m", "emapg.config_reference"], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-m", "emapg.training.config_reference"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     ).stdout
     assert out == markdown_reference()
 
@@ -44,7 +48,7 @@ def test_regenerate_command_prints_the_reference():
 def test_reference_lists_every_field_of_every_section_and_choice_once():
     """A table per section, and per registered task and engine with settings of their own; every
     field of each settings class once in its table."""
-    from emapg.config import SELECTED, Config
+    from emapg.training.config import SELECTED, Config
 
     text = markdown_reference()
     tables = {block.split("\n", 1)[0]: block for block in re.split(r"\n#{2,3} ", text)[1:]}

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from emapg.dynamic_sampling import Round, collect, round_picks, uniform_groups
 from emapg.rollout import Rollout
+from emapg.training.dynamic_sampling import Round, collect, round_picks, uniform_groups
 
 PAD = 0
 
@@ -78,7 +78,7 @@ def test_the_loop_with_dynamic_sampling_and_overlong_shaping(tmp_path, tiny_mode
     """A training run: every step logs its rounds and the share of groups it filtered, trains on a
     batch of the usual shape, and its overlong term is the linear penalty of its lengths (buffer
     = the whole limit: -penalty * length / limit, so its mean follows the mean length)."""
-    from emapg import trainer
+    from emapg.training import loop as trainer
     from test_trainer import config
 
     cfg = config(tmp_path, tiny_model_dir, "algo.dynamic_sampling=true", "algo.max_sampling_rounds=3",

@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from emapg import cli, trainer
-from emapg.checkpoint_eval import evaluate_checkpoint
-from emapg.config import load_config
+from emapg import cli
 from emapg.errors import EmapgError
 from emapg.tasks import TASKS
 from emapg.tasks.arithmetic import ArithmeticTask
+from emapg.training import loop as trainer
+from emapg.training.checkpoint_eval import evaluate_checkpoint
+from emapg.training.config import load_config
 
 
 class Fingerprint(ArithmeticTask):

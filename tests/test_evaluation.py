@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from emapg.cli import main
-from emapg.math_eval import ks, pass_at_k, summarize
-from emapg.models import build_tiny_model, build_tiny_tokenizer
-from emapg.sft import sft
+from emapg.eval.math import ks, pass_at_k, summarize
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.math import TINY_EXTRA_CHARS, MathTask, warm_start
 from emapg.tasks.math_data import load_problems
+from emapg.training.sft import sft
 
 
 def closed_form(n, c, k):
@@ -133,7 +133,7 @@ def _eval(model_dir, data, out, *extra):
 
 
 def test_a_killed_evaluation_resumes_to_the_uninterrupted_results(twenty_one, tmp_path, monkeypatch):
-    from emapg import eval_files
+    from emapg.eval import files as eval_files
 
     model_dir, data = twenty_one
     assert _eval(model_dir, data, tmp_path / "straight") == 0
@@ -209,8 +209,8 @@ def test_training_validates_on_eval_datasets(boxed_model_dir, tmp_path):
     """eval.datasets at each evaluation, for the policy and the EMA anchor: the task's own
     held-out problems given again as a dataset must score exactly eval/accuracy (the same
     prompts, rows and noise), and pass@k is the estimator's over those rows."""
-    from emapg import trainer
-    from emapg.config import load_config
+    from emapg.training import loop as trainer
+    from emapg.training.config import load_config
 
     model_dir, data = boxed_model_dir
     cfg = load_config(None, [

@@ -8,13 +8,15 @@ import torch
 from safetensors.torch import load_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from emapg import checkpoint, cli, trainer
-from emapg.anchor import Anchor
-from emapg.config import load_config
+from emapg import cli
 from emapg.errors import EmapgError
-from emapg.export import export
-from emapg.models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
-from emapg.optim import OptimSettings, make_optimizer
+from emapg.model.anchor import Anchor
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
+from emapg.training import checkpoint
+from emapg.training import loop as trainer
+from emapg.training.config import load_config
+from emapg.training.export import export
+from emapg.training.optim import OptimSettings, make_optimizer
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}="
 ETA = 0.5

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg.report import Run, collapse
+from emapg.eval.report import Run, collapse
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import emapg
-from emapg import gguf_models
-from emapg.config import load_config
 from emapg.errors import EmapgError
+from emapg.model import gguf as gguf_models
+from emapg.training.config import load_config
 
 gguf = pytest.importorskip("gguf")
 

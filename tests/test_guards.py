@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from emapg import trainer
+from emapg.algo.guards import step_is_finite
 from emapg.errors import EmapgError
-from emapg.guards import step_is_finite
-from emapg.models import load_model_and_tokenizer
+from emapg.model.models import load_model_and_tokenizer
+from emapg.training import loop as trainer
 from test_trainer import config
 
 

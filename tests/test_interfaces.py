@@ -6,16 +6,17 @@ import json
 import pytest
 import torch
 
-from emapg import metrics, trainer
 from emapg.errors import EmapgError
-from emapg.models import build_tiny_tokenizer, load_model_and_tokenizer
+from emapg.model.models import build_tiny_tokenizer, load_model_and_tokenizer
 from emapg.rollout import Rollout, RolloutEngine, SamplingParams, left_pad
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.multiturn import run_episodes, sample_examples
-from emapg.search.environment import INVALID_ACTION, SearchEnvironment, information_block
 from emapg.tasks import TASKS, ProblemSettings, make_task, task_names
 from emapg.tasks.base import Environment, Example, Task
-from emapg.tasks.search import TINY_EXTRA_CHARS
+from emapg.tasks.search.environment import INVALID_ACTION, SearchEnvironment, information_block
+from emapg.tasks.search.task import TINY_EXTRA_CHARS
+from emapg.training import loop as trainer
+from emapg.training import metrics
 from test_trainer import config
 
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from emapg import kl
+from emapg.algo import kl
 from emapg.errors import EmapgError
 
 V = 7

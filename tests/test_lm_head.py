@@ -13,7 +13,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from emapg import lm_head
+from emapg.model import lm_head
 from emapg.rollout import Rollout
 
 V, P, L, N = 61, 4, 5, 3

@@ -12,11 +12,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from emapg import lora, trainer
-from emapg.config import load_config
 from emapg.errors import EmapgError
-from emapg.lora import TARGETS
-from emapg.models import load_model_and_tokenizer
+from emapg.model import lora
+from emapg.model.lora import TARGETS
+from emapg.model.models import load_model_and_tokenizer
+from emapg.training import loop as trainer
+from emapg.training.config import load_config
 
 pytest.importorskip("peft")
 

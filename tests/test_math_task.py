@@ -6,11 +6,9 @@ from fractions import Fraction
 
 import pytest
 
-from emapg import trainer
-from emapg.config import load_config
 from emapg.data import math_samples
 from emapg.errors import EmapgError
-from emapg.models import ALPHABET, build_tiny_model, build_tiny_tokenizer
+from emapg.model.models import ALPHABET, build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.base import Example
 from emapg.tasks.math import (
     DATA_DIR,
@@ -23,6 +21,8 @@ from emapg.tasks.math import (
 )
 from emapg.tasks.math_data import Problem, load_problems
 from emapg.tasks.math_grader import score
+from emapg.training import loop as trainer
+from emapg.training.config import load_config
 
 PROBLEMS = [Problem("What is 1/2?", "\\frac{1}{2}", "d", 0), Problem("Add.", "So \\boxed{7}.", "d", 1)]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from emapg.models import ALPHABET, build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
+from emapg.model.models import ALPHABET, build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
 
 SAMPLES = [
     "347+85=432",

@@ -9,11 +9,12 @@ import torch
 from safetensors import safe_open
 
 from conftest import sample
-from emapg import trainer, update
-from emapg.config import load_config
+from emapg.algo.rollout_correction import correct
 from emapg.errors import EmapgError
-from emapg.models import load_model_and_tokenizer
-from emapg.rollout_correction import correct
+from emapg.model.models import load_model_and_tokenizer
+from emapg.training import loop as trainer
+from emapg.training import update
+from emapg.training.config import load_config
 from test_trainer import config
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from emapg.config import CONFIG_DIR, load_config
+from emapg.training.config import CONFIG_DIR, load_config
 
 PAPER = sorted((CONFIG_DIR / "paper").glob("*.yaml"))
 ROW = re.compile(r"^# \|(?P<cells>.*)\|\s*$")
@@ -81,7 +81,7 @@ def test_deepscaler_k3_term_is_verls_without_the_importance_weight(path, tmp_pat
     """The paper's fork reads use_kl_iw with a default of false and its DeepScaleR scripts do not
     set it. One token, log pi -1, log pi_old -1.5, log ref -2: verl's k3 term e^-1 = 0.3679 with
     gradient 1 - e^-1 = 0.6321; with the weight e^0.5 it would be 0.6065 and 1.0422."""
-    from emapg import kl
+    from emapg.algo import kl
 
     cfg = load_config(f"paper/{path.stem}", placeholders(path, tmp_path))
     logp = torch.tensor([-1.0], dtype=torch.float64, requires_grad=True)

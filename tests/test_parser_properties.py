@@ -5,11 +5,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from emapg.config import load_config
-from emapg.config_reference import reference
 from emapg.errors import EmapgError
 from emapg.tasks.arithmetic import exact_match
 from emapg.tasks.math_grader import has_boxed_answer, score
+from emapg.training.config import load_config
+from emapg.training.config_reference import reference
 
 # Fragments a policy writes around answers: unbalanced braces, nested boxes, huge powers.
 LATEX = st.lists(

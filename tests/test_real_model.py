@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from emapg import lm_head, trainer
-from emapg.config import load_config
-from emapg.gguf_models import gguf_file
-from emapg.models import load_model_and_tokenizer
+from emapg.model import lm_head
+from emapg.model.gguf import gguf_file
+from emapg.model.models import load_model_and_tokenizer
 from emapg.prompts import encode_prompts
 from emapg.rollout import Rollout
+from emapg.training import loop as trainer
+from emapg.training.config import load_config
 
 # GGUF tensor names (llama.cpp's) and the Hugging Face Llama names they become.
 LAYER_NAMES = {

@@ -8,7 +8,7 @@ import pytest
 
 from emapg.cli import main
 from emapg.errors import EmapgError
-from emapg.report import aligned, group_name, load_run, plot, summary_table
+from emapg.eval.report import aligned, group_name, load_run, plot, summary_table
 
 
 def write_run(root, name, rows):

@@ -17,13 +17,13 @@ import pytest
 import emapg
 from conftest import http
 from emapg.cli import main
-from emapg.config import load_config
 from emapg.errors import EmapgError
-from emapg.search import bm25 as bm25_module
-from emapg.search.bm25 import BM25Retriever
-from emapg.search.retriever import HttpRetriever
-from emapg.search.server import MAX_PENDING, MAX_QUERIES, MAX_QUERY_CHARS, body_cap, make_server
-from emapg.search.world import build_world, write_corpus
+from emapg.tasks.search import bm25 as bm25_module
+from emapg.tasks.search.bm25 import BM25Retriever
+from emapg.tasks.search.retriever import HttpRetriever
+from emapg.tasks.search.server import MAX_PENDING, MAX_QUERIES, MAX_QUERY_CHARS, body_cap, make_server
+from emapg.tasks.search.world import build_world, write_corpus
+from emapg.training.config import load_config
 from retriever_stubs import ExitsOn, Rendezvous
 
 

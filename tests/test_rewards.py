@@ -7,9 +7,9 @@ import time
 import pytest
 
 from emapg.errors import EmapgError
-from emapg.rewards import ABSTAINED, RewardScorer, ScoreError, score_detail
 from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.base import Example
+from emapg.tasks.rewards import ABSTAINED, RewardScorer, ScoreError, score_detail
 
 
 class HostileTask:
@@ -150,9 +150,9 @@ class RaisingArithmetic(ArithmeticTask):
 def test_evaluation_goes_through_the_guarded_scorer(tmp_path, tiny_model_dir, raises, want):
     import torch
 
-    from emapg import trainer
-    from emapg.config import load_config
     from emapg.tasks import TASKS
+    from emapg.training import loop as trainer
+    from emapg.training.config import load_config
 
     with TASKS.registered("raising", lambda cfg: RaisingArithmetic(raises)):
         cfg = load_config(

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import sample
-from emapg.models import load_model_and_tokenizer
+from emapg.model.models import load_model_and_tokenizer
 from emapg.rollout.hf import row_uniforms, splitmix64
 
 

@@ -1,4 +1,4 @@
-"""Rollout-mismatch correction (emapg.rollout_correction) and the KL's importance weight when the
+"""Rollout-mismatch correction (emapg.algo.rollout_correction) and the KL's importance weight when the
 engine mu differs from pi_old: expected values written out or computed by enumeration."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from emapg import kl, rollout_correction
+from emapg.algo import kl, rollout_correction
+from emapg.algo.rollout_correction import correct, dropped_sequences, mismatch_metrics
 from emapg.errors import EmapgError
-from emapg.rollout_correction import correct, dropped_sequences, mismatch_metrics
 
 # Two sequences; row 1's last column is padding. Ratios pi_old / mu per token:
 RATIOS = [[0.5, 3.0, 1.5], [1.2, 0.9, 7.0]]

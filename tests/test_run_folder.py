@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from emapg import cli
-from emapg.config import load_config
-from emapg.run_folder import resume_changes
+from emapg.training.config import load_config
+from emapg.training.run_folder import resume_changes
 
 RUN = ["task.num_train=16", "task.num_eval=4", "eval.samples=1", "rollout.prompts_per_step=2",
        "rollout.group_size=2", "rollout.max_new_tokens=4", "algo.micro_batch_size=4", "train.progress=false",

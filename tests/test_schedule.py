@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from conftest import engine_old, sample
-from emapg import trainer, update
-from emapg.metrics import PhaseTimer
-from emapg.models import checkpoint_activations, load_model_and_tokenizer
+from emapg.model.models import checkpoint_activations, load_model_and_tokenizer
+from emapg.training import loop as trainer
+from emapg.training import update
+from emapg.training.metrics import PhaseTimer
 from test_trainer import config
 
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "1+1=", "2+3="]

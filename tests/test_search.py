@@ -18,25 +18,32 @@ from transformers import LlamaForCausalLM
 
 import emapg
 from conftest import engine_old, http
+from emapg.algo.policy_loss import aggregate
 from emapg.cli import main
-from emapg.config import Config, load_config
 from emapg.errors import EmapgError
-from emapg.models import build_tiny_model, build_tiny_tokenizer
-from emapg.policy_loss import aggregate
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.prompts import encode_prompts
 from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
 from emapg.rollout.multiturn import run_episodes
-from emapg.search.answers import INVALID_ACTION, exact_match, f1, last_tag, normalize_answer, turn_action
-from emapg.search.bm25 import BM25Retriever
-from emapg.search.environment import SearchEnvironment, information_block
-from emapg.search.retriever import HttpRetriever, format_information
-from emapg.search.server import MAX_QUERIES, MAX_QUERY_CHARS, body_cap, make_server
-from emapg.search.world import build_world, questions, write_corpus
-from emapg.sft import IGNORE_INDEX, sft_batch
 from emapg.tasks.base import Example
-from emapg.tasks.search import TINY_EXTRA_CHARS, SearchTask, final_answer, load_parquet
-from emapg.update import token_losses
+from emapg.tasks.search.answers import (
+    INVALID_ACTION,
+    exact_match,
+    f1,
+    last_tag,
+    normalize_answer,
+    turn_action,
+)
+from emapg.tasks.search.bm25 import BM25Retriever
+from emapg.tasks.search.environment import SearchEnvironment, information_block
+from emapg.tasks.search.retriever import HttpRetriever, format_information
+from emapg.tasks.search.server import MAX_QUERIES, MAX_QUERY_CHARS, body_cap, make_server
+from emapg.tasks.search.task import TINY_EXTRA_CHARS, SearchTask, final_answer, load_parquet
+from emapg.tasks.search.world import build_world, questions, write_corpus
+from emapg.training.config import Config, load_config
+from emapg.training.sft import IGNORE_INDEX, sft_batch
+from emapg.training.update import token_losses
 
 
 def search_rollout(model, tok, prompts, retriever, *, docs_per_search, max_turns, **params):
@@ -360,7 +367,7 @@ def test_loss_and_kl_ignore_masked_tokens():
     seq = torch.randint(4, vocab, (n, p + length))
     mask = torch.rand(n, length) < 0.5
     mask[:, 0] = True
-    from emapg.rollout.base import Rollout
+    from emapg.batch import Rollout
 
     batch = Rollout(
         sequences=seq, attention_mask=torch.ones_like(seq), prompt_len=p, response_mask=mask,
@@ -370,8 +377,8 @@ def test_loss_and_kl_ignore_masked_tokens():
     )  # fmt: skip
     cfg = Config()
     cfg.kl.k = 4
-    from emapg.anchor import Anchor
-    from emapg.update import anchor_pass
+    from emapg.model.anchor import Anchor
+    from emapg.training.update import anchor_pass
 
     old = engine_old(batch)
     ref = anchor_pass(cfg, Anchor(anchor, 1.0, 1), batch, old, vocab)
@@ -471,7 +478,7 @@ def test_format_reward_and_information_text():
 def test_the_episode_cap_must_fit_the_models_context():
     from types import SimpleNamespace
 
-    from emapg.trainer import check_context
+    from emapg.training.loop import check_context
 
     cfg = load_config("search_tiny")
     tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)

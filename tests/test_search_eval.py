@@ -7,12 +7,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from emapg import eval_files, search_eval
 from emapg.cli import main
-from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.eval import files as eval_files
+from emapg.eval import search as search_eval
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.rollout import eos_ids
 from emapg.rollout.hf import HFEngine
-from emapg.tasks.search import TINY_EXTRA_CHARS
+from emapg.tasks.search.task import TINY_EXTRA_CHARS
 from test_search import ScriptedLM
 
 ROWS = [  # the scripted model searches "gida" and answers "nube the city" to everything

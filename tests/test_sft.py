@@ -10,20 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import emapg.sft as sft_module
-from emapg.evaluation import sample_and_score
-from emapg.models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
-from emapg.rewards import RewardScorer
+import emapg.training.sft as sft_module
+from emapg.eval.evaluate import sample_and_score
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
 from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
-from emapg.sft import (
+from emapg.tasks.arithmetic import ArithmeticTask
+from emapg.tasks.base import Example, WarmStartRecipe
+from emapg.tasks.rewards import RewardScorer
+from emapg.training.sft import (
     IGNORE_INDEX,
     sft,
     sft_batch,
     warm_start,
 )
-from emapg.tasks.arithmetic import ArithmeticTask
-from emapg.tasks.base import Example, WarmStartRecipe
 
 EXAMPLES = [Example("1+2=", "3"), Example("45+17=", "62"), Example("9+9=", "18"), Example("120+7=", "127")]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from emapg import kl, topk
+from emapg.algo import kl, topk
 
 DT = torch.float64
 B, T, V, H, K = 2, 5, 11, 6, 3

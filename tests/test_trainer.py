@@ -1,4 +1,4 @@
-"""The trainer: its KL path against emapg.kl.token_kl, no anchor without a KL, and resume."""
+"""The trainer: its KL path against emapg.algo.kl.token_kl, no anchor without a KL, and resume."""
 
 import json
 
@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from conftest import engine_old, sample
-from emapg import kl, trainer, update
-from emapg.config import load_config
-from emapg.models import load_model_and_tokenizer
+from emapg.algo import kl
+from emapg.model.models import load_model_and_tokenizer
+from emapg.training import loop as trainer
+from emapg.training import update
+from emapg.training.config import load_config
 
 FAST = [
     "task.num_train=64",

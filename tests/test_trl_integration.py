@@ -1,4 +1,4 @@
-"""emapg.integrations.trl against TRL's own GRPOTrainer and against emapg.kl.token_kl."""
+"""emapg.integrations.trl against TRL's own GRPOTrainer and against emapg.algo.kl.token_kl."""
 
 import math
 
@@ -10,10 +10,10 @@ from datasets import Dataset  # noqa: E402  (after the skip: datasets comes with
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from emapg import kl  # noqa: E402
+from emapg.algo import kl  # noqa: E402
 from emapg.errors import EmapgError  # noqa: E402
 from emapg.integrations.trl import EMAPGConfig, EMAPGTrainer  # noqa: E402
-from emapg.models import build_tiny_tokenizer  # noqa: E402
+from emapg.model.models import build_tiny_tokenizer  # noqa: E402
 
 BETA = 0.05
 COMMON = dict(
@@ -233,7 +233,7 @@ def test_trainer_requires_an_emapg_config(tiny_model_dir, tmp_path):
 
 
 def test_topk_needs_a_head_lm_head_reproduces(tiny_model_dir):
-    """The shared emapg.lm_head decision: scaled heads are reproduced, unknown modifiers refused."""
+    """The shared emapg.model.lm_head decision: scaled heads are reproduced, unknown modifiers refused."""
     from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
 
     granite = GraniteForCausalLM(GraniteConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
@@ -241,5 +241,5 @@ def test_topk_needs_a_head_lm_head_reproduces(tiny_model_dir):
     assert EMAPGTrainer._head(granite).scale == pytest.approx(1 / 8.0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.config.lm_head_multiplier = 2.0
-    with pytest.raises(EmapgError, match="not one emapg.lm_head reproduces"):
+    with pytest.raises(EmapgError, match="not one emapg.model.lm_head reproduces"):
         EMAPGTrainer._head(model)

@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from emapg.cli import main
-from emapg.config import load_config
 from emapg.errors import EmapgError
-from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
+from emapg.training.config import load_config
 
 
 def _missing_data(tmp, model):
@@ -100,8 +100,8 @@ class Payload:
 def test_checkpoint_never_unpickles_code(tmp_path, tiny_model_dir):
     import torch
 
-    from emapg import checkpoint
-    from emapg.models import load_model_and_tokenizer
+    from emapg.model.models import load_model_and_tokenizer
+    from emapg.training import checkpoint
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
     optimizer = torch.optim.AdamW(model.parameters())

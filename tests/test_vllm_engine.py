@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from emapg.config import load_config
 from emapg.errors import EmapgError
-from emapg.models import build_tiny_model, build_tiny_tokenizer
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.rollout.base import RolloutEngine, SamplingParams, eos_ids
 from emapg.rollout.multiturn import run_episodes
 from emapg.rollout.vllm import VllmEngine, bucket_entropy, import_vllm, row_seed, to_rollout, weights_to_push
+from emapg.training.config import load_config
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -301,8 +301,8 @@ def test_a_lora_policy_is_pushed_merged_and_the_engine_follows_it(engine, tiny):
     """With LoRA the engine gets W + scale * B @ A under the base names: its log-probs are the
     adapted policy's, while the live model's base weights stay as they were."""
     pytest.importorskip("peft")
-    from emapg import lora
-    from emapg.config import load_config
+    from emapg.model import lora
+    from emapg.training.config import load_config
 
     base, tok, _ = tiny
     policy = lora.wrap(copy.deepcopy(base), load_config(None, ["lora.r=4"]).lora)

@@ -16,10 +16,10 @@ import pytest
 
 import emapg
 from conftest import SEARCH_ARGS, torchrun
-from emapg.models import build_tiny_model, build_tiny_tokenizer
-from emapg.sft import sft
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.arithmetic import ArithmeticTask
-from emapg.tasks.search import TINY_EXTRA_CHARS
+from emapg.tasks.search.task import TINY_EXTRA_CHARS
+from emapg.training.sft import sft
 
 if os.environ.get("EMAPG_REQUIRE_VLLM") != "1":
     pytest.importorskip(

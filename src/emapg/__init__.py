@@ -14,26 +14,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 
+from emapg import moved
 from emapg.tasks import register_task
 
 __version__ = "0.1.0"
 __all__ = ["register_task", "train"]
+moved.install()
+
+
+def __getattr__(name: str):
+    if name == "kl":  # `from emapg import kl`: the estimators' public entry point, at its old name
+        from emapg.algo import kl
+
+        return kl
+    raise AttributeError(f"module 'emapg' has no attribute {name!r}")
 
 
 def train(config=None, overrides: Sequence[str] = (), *, task=None, resume: bool = False) -> dict:
     """Train (or resume) one run; returns the final record (run_dir, accuracy before and after,
     and the task's reward_range, the scale of that accuracy: a mean reward).
 
-    `config`: a `emapg.config.Config`, a YAML path or shipped config name (None: quickstart);
+    `config`: a `emapg.training.config.Config`, a YAML path or shipped config name (None: quickstart);
     `overrides`: dotted `key=value` strings applied on top; `task`: a `emapg.tasks.Task` instance
     to train on, registered under its `name` for this run only. The instance brings its data, so
     of the config's task section only the settings every task has (reward_timeout_s,
     reward_isolation) carry over.
     """
-    from emapg.config import Config, build, read_config, with_overrides
     from emapg.errors import EmapgError
     from emapg.tasks import TASKS, Task, TaskSettings
-    from emapg.trainer import train as run
+    from emapg.training.config import Config, build, read_config, with_overrides
+    from emapg.training.loop import train as run
 
     raw = config.model_dump(exclude_unset=True) if isinstance(config, Config) else read_config(config)
     scope = nullcontext()

@@ -41,8 +41,8 @@ def import_user_modules(specs: list[str]) -> None:
 def _train(args) -> None:
     import yaml
 
-    from emapg.config import load_config, resume_config
-    from emapg.trainer import train
+    from emapg.training.config import load_config, resume_config
+    from emapg.training.loop import train
 
     import_user_modules(args.imports)
     cfg = (resume_config if args.resume else load_config)(args.config, args.overrides)
@@ -63,7 +63,7 @@ def _train(args) -> None:
 
 
 def _rollout_worker(args) -> None:
-    from emapg.async_rollout.worker import serve
+    from emapg.rollout.remote.worker import serve
 
     if args.rank < 1:
         raise EmapgError(f"--rank {args.rank}: workers have ranks 1 and up (0 is the trainer)")
@@ -72,10 +72,10 @@ def _rollout_worker(args) -> None:
 
 
 def _sft(args) -> None:
-    from emapg.config import load_config
-    from emapg.models import pin_cpu_kernels
+    from emapg.model.models import pin_cpu_kernels
     from emapg.tasks import make_task
-    from emapg.trainer import load_policy
+    from emapg.training.config import load_config
+    from emapg.training.loop import load_policy
 
     import_user_modules(args.imports)
     cfg = load_config(args.config, args.overrides)
@@ -109,7 +109,7 @@ def _eval(args) -> None:
     values = {**protocol.PROTOCOLS[args.protocol], **given, "chat_template": not args.no_chat_template}
     options = {k: "--" + k.replace("_", "-") for k in names}  # a problem names the option
     settings = validated(settings_class, values, "eval", options)
-    from emapg.models import model_folder
+    from emapg.model.models import model_folder
 
     model = model_folder(args.model, progress=not args.no_progress)  # a GGUF: its converted folder
     out = args.out or "runs/eval"  # a folder holding another model's or data's evaluation is refused
@@ -125,7 +125,7 @@ def _eval_run(args) -> None:
         raise EmapgError(
             "emapg eval --run evaluates the run's own checkpoint on its task: drop --model/--data"
         )
-    from emapg.checkpoint_eval import evaluate_checkpoint, write_results
+    from emapg.training.checkpoint_eval import evaluate_checkpoint, write_results
 
     import_user_modules(args.imports)
     results = evaluate_checkpoint(args.run, args.step, anchor=args.anchor)
@@ -140,14 +140,14 @@ def _eval_run(args) -> None:
 
 
 def _export(args) -> None:
-    from emapg.export import export
+    from emapg.training.export import export
 
     path = export(args.run, args.out, args.step, anchor=args.anchor)
     print(f"exported the {'anchor' if args.anchor else 'policy'} of {path} to {args.out}")
 
 
 def _report(args) -> None:
-    from emapg.report import report
+    from emapg.eval.report import report
 
     print(report(args.runs, args.out, args.threshold, args.smooth), end="")
     print(f"curves: {args.out}; table: {Path(args.out).with_suffix('.md')}")
@@ -155,7 +155,7 @@ def _report(args) -> None:
 
 def _encoder_settings(args, default_from_index: bool = False):
     """The encoder flags as settings; None where none was given and the index says them."""
-    from emapg.search.dense import EncoderSettings
+    from emapg.tasks.search.dense import EncoderSettings
 
     given = {k: getattr(args, k) for k in ("query_prefix", "passage_prefix", "pooling", "max_length",
                                             "batch_size") if getattr(args, k) is not None}  # fmt: skip
@@ -170,7 +170,7 @@ def _encoder_settings(args, default_from_index: bool = False):
 def _build_index(args) -> None:
     corpus = Path(args.corpus).expanduser()
     if not args.dense:
-        from emapg.search.bm25 import build_index
+        from emapg.tasks.search.bm25 import build_index
 
         if args.out:
             raise EmapgError("--out is for --dense: the BM25 index is kept beside its corpus (<corpus>.bm25)")
@@ -178,7 +178,7 @@ def _build_index(args) -> None:
         meta = build_index(corpus, out)
         print(f"BM25 index of {meta['num_docs']} documents in {out}")
         return
-    from emapg.search.dense import build_dense_index
+    from emapg.tasks.search.dense import build_dense_index
 
     if not args.encoder:
         raise EmapgError("build-index --dense needs --encoder PATH (a local Hugging Face encoder folder)")
@@ -193,7 +193,7 @@ def _build_index(args) -> None:
 
 
 def _serve_retriever(args) -> None:
-    from emapg.search.server import make_server
+    from emapg.tasks.search.server import make_server
 
     if not 0 <= args.port <= 65535:
         raise EmapgError(f"--port {args.port}: expected 0..65535")
@@ -201,11 +201,11 @@ def _serve_retriever(args) -> None:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise EmapgError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1")
     if args.dense is None:
-        from emapg.search.bm25 import BM25Retriever
+        from emapg.tasks.search.bm25 import BM25Retriever
 
         retriever = BM25Retriever(args.corpus)
     else:
-        from emapg.search.dense import DenseRetriever
+        from emapg.tasks.search.dense import DenseRetriever
 
         if not args.encoder:
             raise EmapgError("serve-retriever --dense needs --encoder PATH (the encoder of the index)")
@@ -252,13 +252,13 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The command line; every field's help goes into `emapg train --help` (built only when the
     command is train: it imports every part's settings)."""
-    from emapg.search.server import MAX_PENDING, MAX_QUERIES, MAX_QUERY_CHARS
+    from emapg.tasks.search.server import MAX_PENDING, MAX_QUERIES, MAX_QUERY_CHARS
 
     parser = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
     sub = parser.add_subparsers(dest="command", required=True)
     fields = ""
     if command == "train":
-        from emapg.config_reference import help_text
+        from emapg.training.config_reference import help_text
 
         fields = help_text()
     train = sub.add_parser(

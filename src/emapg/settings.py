@@ -5,7 +5,7 @@ Each part of emapg declares its own section next to its code (`kl.KLSettings`,
 `Section`: a pydantic model whose fields carry their default, one line of help, their type
 (strict: an int is no bool, a name is one of a `Literal`'s values) and their range
 (`ge=`, `gt=` ...), and whose validators hold the rules that join several of its fields.
-`emapg.config` composes the sections into the run's `Config`. Why pydantic: it already does
+`emapg.training.config` composes the sections into the run's `Config`. Why pydantic: it already does
 what the hand-written parser did (coercion, ranges, choices, nested lists) and reports where
 each error is, which becomes our one line naming the field; docs/design.md says more.
 

@@ -3,9 +3,9 @@
 Everything TRL does stays TRL's (generation, rewards, advantages, the policy loss, logging);
 two things change:
 
-- the KL term: TRL's built-in k3 is replaced by any `emapg.kl` estimator (`kl_estimator`,
+- the KL term: TRL's built-in k3 is replaced by any `emapg.algo.kl` estimator (`kl_estimator`,
   `kl_direction`, `kl_topk`), aggregated like TRL aggregates its loss for `loss_type`;
-- the reference model: TRL's `ref_model` becomes an `emapg.anchor.Anchor` updated in place,
+- the reference model: TRL's `ref_model` becomes an `emapg.model.anchor.Anchor` updated in place,
   anchor <- eta * anchor + (1 - eta) * policy every `anchor_update_period` optimiser steps
   (`anchor_ema_eta`; eta = 1 is TRL's frozen reference).
 
@@ -14,7 +14,7 @@ estimators), `_get_per_token_logps_and_entropies` (to keep the policy log-probs 
 pass), `_compute_loss` (TRL's loss with its KL switched off, plus ours), a callback for
 the EMA step, and `_save_checkpoint` / `_load_optimizer_and_scheduler` (the anchor's weights
 and update count in each checkpoint, restored on resume). Supported: text-only models, no PEFT (the anchor must be a separate model); the
-top-k estimators need an LM head that `emapg.lm_head.head_of` reproduces exactly (plain,
+top-k estimators need an LM head that `emapg.model.lm_head.head_of` reproduces exactly (plain,
 Cohere's scale, Granite's scaling, Gemma 2's soft-cap).
 """
 
@@ -32,13 +32,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
-from emapg import kl
-from emapg.anchor import Anchor, EMASchedule
+from emapg.algo import kl
+from emapg.algo.kl import KLSettings
+from emapg.algo.topk import Summary
 from emapg.errors import EmapgError
-from emapg.kl import KLSettings
-from emapg.lm_head import backbone, final_hidden, head_of
+from emapg.model.anchor import Anchor, EMASchedule
+from emapg.model.lm_head import backbone, final_hidden, head_of
 from emapg.settings import validated
-from emapg.topk import Summary
 
 
 @dataclass
@@ -52,7 +52,7 @@ class EMAPGConfig(GRPOConfig):
     kl_estimator: str = field(
         default="topk",
         metadata={
-            "help": "Token-level KL estimator from emapg.kl: k1, k2, k3, k3pp, k4, k5 (sampled token only), "
+            "help": "Token-level KL estimator from emapg.algo.kl: k1, k2, k3, k3pp, k4, k5 (sampled token only), "
             "exact, topk (exact on the top-k tokens plus a sampled tail; unbiased value and gradient), "
             "topk_paper (as printed in the paper, gradient-biased), truncated (top-k head only)."
         },
@@ -199,7 +199,7 @@ class EMAPGTrainer(GRPOTrainer):
         if head is None:
             raise EmapgError(
                 f"EMAPGTrainer: the top-k KL estimators recompute the LM head from hidden states, and "
-                f"{type(model).__name__}'s head is not one emapg.lm_head reproduces exactly (a bias, an "
+                f"{type(model).__name__}'s head is not one emapg.model.lm_head reproduces exactly (a bias, an "
                 "unknown logit modifier, or logits that differ from softcap(scale * hidden @ W.T)); use a "
                 "sampled estimator such as k3 instead"
             )

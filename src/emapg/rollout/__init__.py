@@ -9,16 +9,9 @@ and its settings (the `rollout` section, extended by the engine's own fields):
 
 from __future__ import annotations
 
+from emapg.batch import Rollout, left_pad
 from emapg.rollout import hf, vllm
-from emapg.rollout.base import (
-    Rollout,
-    RolloutEngine,
-    RolloutSettings,
-    SamplingParams,
-    eos_ids,
-    left_pad,
-    with_call_seed,
-)
+from emapg.rollout.base import RolloutEngine, RolloutSettings, SamplingParams, eos_ids, with_call_seed
 from emapg.settings import Registry
 
 ENGINES = Registry("rollout.engine", RolloutSettings)

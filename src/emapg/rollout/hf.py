@@ -31,7 +31,8 @@ from transformers import (
 )
 
 from emapg import distributed
-from emapg.rollout.base import Rollout, SamplingParams, eos_ids, left_pad, with_call_seed
+from emapg.batch import Rollout, left_pad
+from emapg.rollout.base import SamplingParams, eos_ids, with_call_seed
 
 
 class _SamplingRecorder(LogitsProcessor):

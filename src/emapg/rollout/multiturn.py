@@ -25,14 +25,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from emapg import distributed
+from emapg.batch import ResponseRow, Rollout, rollout_from_rows
 from emapg.prompts import encode_prompts
-from emapg.rollout.base import (
-    ResponseRow,
-    Rollout,
-    RolloutEngine,
-    SamplingParams,
-    rollout_from_rows,
-)
+from emapg.rollout.base import RolloutEngine, SamplingParams
 from emapg.tasks.base import Environment
 
 

@@ -50,17 +50,11 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from emapg import distributed, lora
+from emapg import distributed
+from emapg.batch import ResponseRow, Rollout, rollout_from_rows
 from emapg.errors import EmapgError
-from emapg.rollout.base import (
-    ResponseRow,
-    Rollout,
-    RolloutSettings,
-    SamplingParams,
-    eos_ids,
-    rollout_from_rows,
-    with_call_seed,
-)
+from emapg.model import lora
+from emapg.rollout.base import RolloutSettings, SamplingParams, eos_ids, with_call_seed
 from emapg.settings import Float, setting
 
 SUPPORTED = ((0, 32), (0, 33))  # vLLM versions [low, high) whose API this file uses

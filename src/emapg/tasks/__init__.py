@@ -6,7 +6,7 @@
 Then `task.name=my_task task.level=3` sets and validates the task's own settings (MySettings,
 a subclass of TaskSettings or ProblemSettings). A factory takes the run's Config and returns an
 `emapg.tasks.base.Task`. `warm_start` (optional) gives the built-in tiny model's warm start for
-the task (an `emapg.sft.WarmStartRecipe`; default: its training examples).
+the task (an `emapg.training.sft.WarmStartRecipe`; default: its training examples).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 from emapg.errors import EmapgError
 from emapg.settings import Registry
-from emapg.tasks import arithmetic, dataset, math, search
+from emapg.tasks import arithmetic, dataset, math
 from emapg.tasks.base import Example, ProblemSettings, Task, TaskSettings, WarmStartRecipe
+from emapg.tasks.search import task as search_task
 
 __all__ = [
     "TASKS",
@@ -68,4 +69,6 @@ def warm_start_recipe(name: str, task: Task) -> WarmStartRecipe:
 register_task("arithmetic", arithmetic.ArithmeticTask.from_config, arithmetic.ArithmeticSettings)
 register_task("dataset", dataset.from_config, dataset.DatasetSettings, warm_start=dataset.warm_start)
 register_task("math", math.from_config, math.MathSettings, warm_start=math.warm_start)
-register_task("search", search.from_config, search.SearchSettings, warm_start=search.warm_start)
+register_task(
+    "search", search_task.from_config, search_task.SearchSettings, warm_start=search_task.warm_start
+)

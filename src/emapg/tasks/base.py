@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from emapg.rewards import ScoringSettings
 from emapg.settings import setting
+from emapg.tasks.rewards import ScoringSettings
 
 
 class TaskSettings(ScoringSettings):
@@ -59,8 +59,8 @@ class Task:
 
     `score` must be a pure function of the response text and the example: it is called for every
     sampled response, and its value in `reward_range` ([0, 1] by default) is the reward. It runs in
-    a worker process with a time limit (emapg.rewards) unless the task sets `score_is_safe = True`.
-    It may instead return an `emapg.rewards.Reward`, the value with named parts; the mean of
+    a worker process with a time limit (emapg.tasks.rewards) unless the task sets `score_is_safe = True`.
+    It may instead return an `emapg.tasks.rewards.Reward`, the value with named parts; the mean of
     each part named in `reward_parts` is logged as reward/<name>/mean.
     """
 

@@ -5,7 +5,7 @@ Data (`task.train_files`, `task.eval_files`): `.jsonl`, `.json` (a list of recor
 directory, or a dataset name resolved by `datasets.load_dataset` (from the local Hugging Face
 cache when offline). The prompt is the `task.prompt_field` column: text, or chat messages (a
 list of {role, content}) given to the chat template. Every other column is passed to the
-reward functions (`task.reward_fns`, TRL's signature, see emapg.reward_fns).
+reward functions (`task.reward_fns`, TRL's signature, see emapg.tasks.reward_fns).
 
 Scoring one response calls each function on a batch of one and sums the values times their
 `task.reward_weights`; a function that returns None abstains (left out of the sum, as TRL's
@@ -23,11 +23,11 @@ from pydantic import model_validator
 
 from emapg.errors import EmapgError
 from emapg.prompts import ChatPrompt
-from emapg.reward_fns import RewardFunction, RewardReturnError, load_reward_functions
-from emapg.rewards import ABSTAINED, Reward
 from emapg.settings import Float, check, setting
 from emapg.tasks.base import Example, ProblemSettings, Task, WarmStartRecipe
 from emapg.tasks.records import FILE_TYPES, read_records
+from emapg.tasks.reward_fns import RewardFunction, RewardReturnError, load_reward_functions
+from emapg.tasks.rewards import ABSTAINED, Reward
 
 INSTALL_DATASETS = "pip install 'datasets>=3' (or: pip install 'emapg[datasets]')"
 
@@ -247,7 +247,7 @@ def warm_start(task: DatasetTask):
 
 
 def _chars(texts) -> str:
-    from emapg.models import ALPHABET
+    from emapg.model.models import ALPHABET
 
     seen = set().union(*map(set, texts)) - set(ALPHABET)
     return "".join(sorted(seen))
@@ -258,7 +258,7 @@ def check_returns(task: DatasetTask, timeout_s: float, isolation: str) -> None:
     one) through the guarded scorer, and stop when a function raises (as TRL would) or returns
     something that is not a list of one number or None. A timeout here is left to training,
     which counts it, and so is every function abstaining."""
-    from emapg.rewards import RewardScorer
+    from emapg.tasks.rewards import RewardScorer
 
     example = task.train_examples()[0]
     # hold_warning: a problem here stops the run with its one line, or is training's to report

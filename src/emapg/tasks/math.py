@@ -88,7 +88,7 @@ class MathTask(Task):
     `format_reward` for a response that has a closed `\\boxed{...}`, else 0.0.
 
     Not declared `score_is_safe`: the grader bounds its own work, and training still runs it in
-    a worker process with a hard time limit (emapg.rewards).
+    a worker process with a hard time limit (emapg.tasks.rewards).
     """
 
     name = "math"

@@ -43,7 +43,7 @@ never hands math-verify anything it cannot finish quickly:
    asynchronous exception, which like a signal handler interrupts Python code, not one C call:
    steps 1-2 keep those short). This bounds what no rule foresees (a 100-element tuple takes
    seconds to parse). Training also runs `score` in a worker process with a hard time limit
-   (emapg.rewards), since MathTask does not claim to be safe.
+   (emapg.tasks.rewards), since MathTask does not claim to be safe.
 
 Refused or failing inputs score 0, except a boxed answer written exactly as the reference;
 `refusal` names the guard (GUARDS) that refused a pair.

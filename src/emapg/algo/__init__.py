@@ -1,0 +1,1 @@
+"""The algorithm: KL estimators, advantages, policy losses, rollout correction; pure tensor functions."""

@@ -1,0 +1,1 @@
+"""Evaluation: held-out accuracy during training, the paper's protocols on files, run reports."""

@@ -1,0 +1,1 @@
+"""Training: the config, the run, the loop and its update, checkpoints, the warm start."""

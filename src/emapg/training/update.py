@@ -1,0 +1,433 @@
+"""The PPO update of one rollout batch: the `algo` section, and the passes it runs.
+
+Before the first optimiser step: pi_old (a no-grad pass of the policy, or the engine's
+log-probs) with the rollout correction, then the anchor pass; then epochs of minibatches, each
+micro-batched forward and backward through the clipped policy term and the KL estimate. Between
+passes only per-token summaries travel (the sampled token's log-prob, k top-k ids, k anchor
+log-probs); no [tokens, vocab] tensor is ever stored. docs/design.md, sections 4 and 7.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import field_validator
+from torch import Tensor
+
+from emapg import distributed
+from emapg.algo import kl, rollout_correction
+from emapg.algo.advantages import estimator
+from emapg.algo.guards import step_is_finite
+from emapg.algo.policy_loss import (
+    AGGREGATIONS,
+    LOSSES,
+    RATIO_LEVELS,
+    aggregate,
+    aggregation_total,
+    cispo,
+    log_ratio,
+    ppo_clip,
+)
+from emapg.algo.rollout_correction import MODES as CORRECTIONS
+from emapg.batch import Rollout
+from emapg.model.anchor import Anchor
+from emapg.model.lm_head import response_summary
+from emapg.model.lora import AdapterAnchor
+from emapg.settings import Float, Section, check, setting
+from emapg.training.metrics import PhaseTimer
+
+
+class AlgoSettings(Section):
+    """The `algo` section: advantages, the policy loss, epochs, batching, dynamic sampling and the
+    off-policy corrections (docs/training.md has each method and its source)."""
+
+    key: ClassVar[str] = "algo"
+    advantage: str = setting(
+        "grpo",
+        "grpo (std-normalised), drgrpo (no std), batch_std, rloo (leave-one-out), reinforce_pp (REINFORCE++: "
+        "batch whitening), or module:function / path/to/file.py:function (emapg/algo/advantages.py)",
+    )
+    loss: Literal[LOSSES] = setting(
+        "ppo_clip", "ppo_clip (PPO's clipped surrogate) or cispo (clipped weight, no gradient, times log pi)"
+    )
+    ratio_level: Literal[RATIO_LEVELS] = setting(
+        "token",
+        "token: pi/pi_old per token; sequence: GSPO's length-normalised ratio of the whole response "
+        "(use GSPO's clip ranges, e.g. clip_low=3e-4 clip_high=4e-4)",
+    )
+    clip_low: Float = setting(0.2, "ratio clip below: 1 - clip_low (1: no lower clip)", ge=0, le=1)
+    clip_high: Float = setting(0.2, "ratio clip above: 1 + clip_high", ge=0)
+    dual_clip: Float = setting(
+        3.0, "ppo_clip with A < 0: the loss bounded by dual_clip * |A| (verl's clip_ratio_c); 0: off"
+    )
+    epochs: int = setting(1, "passes over each rollout batch", ge=1)
+    minibatches: int = setting(1, "optimiser steps per epoch (the batch is split this many ways)", ge=1)
+    micro_batch_size: int = setting(64, "sequences per forward/backward (gradient accumulation)", ge=1)
+    micro_batch_tokens: int = setting(
+        0,
+        "pack micro-batches up to this many tokens (rows x padded length) instead; 0: by micro_batch_size",
+        ge=0,
+    )
+    mask_overlong: bool = setting(
+        False, "leave responses cut at the length limit (no EOS or stop) out of the loss"
+    )
+    loss_aggregation: Literal[AGGREGATIONS] = setting(
+        "token_mean", "every token weighs the same, or every sequence"
+    )
+    old_logp: Literal["auto", "recompute", "engine"] = setting(
+        "auto",
+        "pi_old of the PPO ratio and the KL's top-k set: recompute (a no-grad pass of the policy), engine "
+        "(the sampling engine's); auto: engine only where it is the policy itself (hf, same dtype, top_p=1)",
+    )
+    rollout_correction: Literal[CORRECTIONS] = setting(
+        "token_tis",
+        "weight or drop tokens by pi_old/mu (mu: the engine that sampled). token_tis, verl's default, "
+        "never drops data and does not grow with length; seq_mask (TRL's) drops most long sequences",
+    )
+    rollout_correction_cap: Float = setting(
+        2.0, "C of algo.rollout_correction: weights truncated at C, masks keep ratios in [1/C, C]", gt=1
+    )
+    dynamic_sampling: bool = setting(
+        False,
+        "DAPO: drop groups whose rewards are all equal and sample further prompts until the step has "
+        "rollout.prompts_per_step groups with signal",
+    )
+    max_sampling_rounds: int = setting(
+        10,
+        "dynamic sampling: most rounds of rollout.prompts_per_step prompts a step samples; at the bound the "
+        "last round's groups without signal fill the step",
+        ge=1,
+    )
+    overlong_buffer: int = setting(
+        0,
+        "DAPO's overlong shaping: a linear penalty over the last this many tokens of the length limit; 0: off",
+        ge=0,
+    )
+    overlong_penalty: Float = setting(1.0, "the overlong shaping's penalty at the length limit", ge=0)
+
+    @field_validator("advantage")
+    @classmethod
+    def _estimator(cls, name: str) -> str:
+        estimator(name)  # a built-in one, or the user's function by import path: loaded now
+        return name
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _above_one(cls, c: float) -> float:
+        check(c == 0 or c > 1, f"must be 0 (off) or > 1; got {c}")
+        return c
+
+
+@dataclass
+class AnchorView:
+    """What the anchor pass leaves for the update: log-probs at the token and on the top-k set q."""
+
+    head_ids: Tensor  # [N, L, k] the set q
+    ref_logp: Tensor  # [N, L]
+    ref_head_logp: Tensor  # [N, L, k]
+
+    def select(self, rows: Tensor, width: int) -> AnchorView:
+        """The rows `rows`, response columns up to `width` (a trimmed micro-batch's)."""
+        return AnchorView(
+            self.head_ids[rows, :width], self.ref_logp[rows, :width], self.ref_head_logp[rows, :width]
+        )
+
+
+@dataclass
+class OldPolicy:
+    """pi_old for the update: its log-prob at each sampled token, its top-k set (the reverse
+    KL's q) and the rollout correction between it and mu, the engine that sampled."""
+
+    logp: Tensor  # [N, L] log pi_old(token)
+    topk_ids: Tensor  # [N, L, k]
+    weight: Tensor  # [N, L] multiplies the policy-gradient loss (rollout_correction.correct)
+    keep: Tensor  # [N, L] bool: response tokens that stay in the loss
+
+    def select(self, rows: Tensor, width: int) -> OldPolicy:
+        return OldPolicy(*(t[rows, :width] for t in (self.logp, self.topk_ids, self.weight, self.keep)))
+
+
+@torch.no_grad()
+def response_logp(cfg, model, batch: Rollout, temperature: float, k: int = 0) -> tuple[Tensor, Tensor]:
+    """A no-grad pass of `model` over the batch at `temperature`, micro-batch by micro-batch: the
+    log-prob of each sampled token [N, L] and the model's top-k ids there [N, L, k]. Before the
+    first optimiser step, at the rollout's temperature, it is the trainer's own pi_old."""
+    n, width = batch.response_mask.shape
+    logp = torch.zeros(n, width, device=batch.sequences.device)
+    topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=batch.sequences.device)
+    for rows, part, w in each_micro_batch(cfg, batch):
+        s = response_summary(model, part, part.responses.unsqueeze(-1), temperature=temperature, topk_self=k)
+        if rows is not None:
+            logp[rows, :w], topk_ids[rows, :w] = s.logp()[..., 0], s.topk_ids
+    return logp, topk_ids
+
+
+def old_policy(cfg, model, batch: Rollout, k: int, timer: PhaseTimer) -> tuple[OldPolicy, dict]:
+    """pi_old (recomputed, or the engine's log-probs: `Config.recomputes_old_logp`), the rollout
+    correction, and their metrics: mismatch/* (only when recomputed: else mu is pi_old) and
+    rollout_correction/*."""
+    mask = batch.response_mask
+    metrics = {}
+    if cfg.recomputes_old_logp:
+        with timer("old_logp"):
+            logp, topk_ids = response_logp(cfg, model, batch, cfg.rollout.temperature, k)
+        m = rollout_correction.mismatch_metrics(logp, batch.sampling_logp, mask, topk_ids, batch.topk_ids)
+        kl_sum, overlap_sum, tokens = distributed.sum_all(
+            m["kl_sum"], m.get("topk_overlap_sum", 0.0), m["tokens"]
+        )
+        metrics = {
+            "mismatch/kl": kl_sum / max(tokens, 1.0),
+            "mismatch/max_abs_logp": distributed.max_one(m["max_abs_logp"]),
+            **({"mismatch/topk_overlap": overlap_sum / max(tokens, 1.0)} if k else {}),
+        }
+    else:
+        logp, topk_ids = batch.sampling_logp, batch.topk_ids
+    c = rollout_correction.correct(
+        logp, batch.sampling_logp, mask, cfg.algo.rollout_correction, cfg.algo.rollout_correction_cap
+    )
+    kept = c.keep & mask
+    weight_sum, kept_n, tokens = distributed.sum_all(
+        float((c.weight * kept).sum()), float(kept.sum()), float(mask.sum())
+    )
+    metrics |= {
+        "rollout_correction/weight_mean": weight_sum / max(kept_n, 1.0),
+        "rollout_correction/weight_max": distributed.max_one(
+            float(c.weight[kept].max()) if kept.any() else 0.0
+        ),
+        "rollout_correction/masked_frac": 1.0 - kept_n / max(tokens, 1.0),
+    }
+    return OldPolicy(logp, topk_ids, c.weight, c.keep), metrics
+
+
+def _head_ids(cfg, old: OldPolicy, vocab: int) -> Tensor | None:
+    """q for the KL (kl.q_source): pi_old's top-k, the whole vocabulary, none (a sampled
+    estimator), or None for the anchor pass to take the anchor's own top-k."""
+    source = kl.q_source(cfg.kl.estimator, cfg.kl.direction)
+    if source == "vocab":
+        return torch.arange(vocab, device=old.logp.device).expand(*old.logp.shape, vocab)
+    if source == "sampling":
+        return old.topk_ids
+    return None if source == "anchor" else old.topk_ids[..., :0]
+
+
+def micro_batches(cfg, batch: Rollout, rows: Tensor) -> list[Tensor | None]:
+    """`rows` split for forward/backward: `algo.micro_batch_size` at a time, or packed in order
+    up to `algo.micro_batch_tokens` (rows x their padded length). With several processes the
+    list is padded with None up to the longest any rank has: under FSDP every rank must run
+    the same number of forward passes, and a None is run on one row with weight 0."""
+    if cfg.algo.micro_batch_tokens:
+        lengths = batch.attention_mask.sum(-1)  # prompt + response tokens of each row
+        parts, current, longest = [], [], 0
+        for r in rows.tolist():
+            longest_with = max(longest, int(lengths[r]))
+            if current and (len(current) + 1) * longest_with > cfg.algo.micro_batch_tokens:
+                parts.append(torch.tensor(current))
+                current, longest_with = [], int(lengths[r])
+            current.append(r)
+            longest = longest_with
+        parts += [torch.tensor(current)] if current else []
+    else:
+        parts = [part for part in rows.split(cfg.algo.micro_batch_size) if len(part)]
+    return parts + [None] * (distributed.max_one(len(parts)) - len(parts))
+
+
+def each_micro_batch(cfg, batch: Rollout) -> Iterator[tuple[Tensor | None, Rollout, int]]:
+    """(rows, the micro-batch trimmed of padding, its response width) for every micro-batch of
+    the whole batch; rows None: a padding pass on one row (`micro_batches`), its result dropped."""
+    for rows in micro_batches(cfg, batch, torch.arange(len(batch.texts))):
+        part = batch.select(torch.arange(1) if rows is None else rows).trimmed()
+        yield rows, part, part.response_mask.shape[1]
+
+
+@torch.no_grad()
+def anchor_pass(
+    cfg, anchor: Anchor | AdapterAnchor, batch: Rollout, old: OldPolicy, vocab: int
+) -> AnchorView:
+    tokens = batch.responses.unsqueeze(-1)
+    head_ids = _head_ids(cfg, old, vocab)
+    width = batch.response_mask.shape[1]
+    n, k = len(batch.texts), cfg.kl.k if head_ids is None else head_ids.shape[-1]
+    device = batch.sequences.device
+    view = AnchorView(
+        torch.zeros(n, width, k, dtype=torch.long, device=device),
+        torch.zeros(n, width, device=device),
+        torch.zeros(n, width, k, device=device),
+    )
+    with anchor.active() as ref_model:  # LoRA: the anchor adapter (or none) is active meanwhile
+        for rows, part, w in each_micro_batch(cfg, batch):
+            idx = torch.arange(1) if rows is None else rows
+            if head_ids is None:  # forward top-k: q is the anchor's own top-k
+                s = response_summary(
+                    ref_model, part, tokens[idx, :w], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
+                )
+                ids, logp, head_logp = s.topk_ids, s.logp()[..., 0], s.topk_logp
+            else:
+                ids = head_ids[idx, :w]
+                logp = response_summary(
+                    ref_model,
+                    part,
+                    torch.cat([tokens[idx, :w], ids], -1),
+                    temperature=cfg.rollout.temperature,
+                ).logp()
+                logp, head_logp = logp[..., 0], logp[..., 1:]
+            if rows is not None:
+                view.head_ids[rows, :w], view.ref_logp[rows, :w], view.ref_head_logp[rows, :w] = (
+                    ids,
+                    logp,
+                    head_logp,
+                )
+    return view
+
+
+def token_losses(cfg, model, part: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None):
+    """Per-token policy loss (`algo.loss`, times the rollout correction's weight), KL estimate
+    (None without anchor), clip flags and log-ratio to pi_old (`algo.ratio_level`, no gradient) of
+    a micro-batch. The ratio divides by pi_old; the KL's importance weight by mu, the
+    distribution the token was drawn from (docs/design.md, section 7)."""
+    tokens = part.responses.unsqueeze(-1)
+    ids = tokens if ref is None else torch.cat([tokens, ref.head_ids], -1)
+    summary = response_summary(model, part, ids, temperature=cfg.rollout.temperature)
+    logp = summary.logp()[..., 0]
+    a = cfg.algo
+    ratio = log_ratio(logp, old.logp, part.response_mask, a.ratio_level)
+    if a.loss == "cispo":
+        pg, clipped = cispo(ratio, logp, advantages, a.clip_low, a.clip_high)
+    else:
+        pg, clipped = ppo_clip(ratio, advantages, a.clip_low, a.clip_high, a.dual_clip)
+    pg, ratio = pg * old.weight, ratio.detach()
+    if ref is None:
+        return pg, None, clipped, ratio
+    kl_tok = kl.from_summary(
+        summary,
+        (ref.head_ids == tokens).any(-1),
+        ref.ref_logp,
+        ref.ref_head_logp,
+        estimator=cfg.kl.estimator,
+        direction=cfg.kl.direction,
+        sampling_logp=part.sampling_logp if cfg.kl.importance_weight else None,
+        iw_clip=tuple(cfg.kl.iw_clip) if cfg.kl.iw_clip else None,
+    )
+    return pg, kl_tok, clipped, ratio
+
+
+class _Stats:
+    """The update's per-token sums (this rank's), the first minibatch's on their own: on-policy
+    for pi_old, a recomputed pi_old gives it a ratio of 1, so nothing there clips. Kept as float64
+    tensors on the model's device and read once per update: on a GPU each read waits for the
+    queued work (the sums themselves are those of Python floats, bit for bit)."""
+
+    def __init__(self, device: torch.device):
+        # policy loss, KL, clipped tokens, tokens; clipped tokens and tokens of the first minibatch
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self.first_ratio_dev = torch.zeros((), dtype=torch.float64, device=device)  # max |ratio - 1|
+        self.grad_norms: list[float] = []
+
+    def add(
+        self, mask: Tensor, pg: Tensor, kl_tok: Tensor | None, clipped: Tensor, log_ratio: Tensor, first: bool
+    ):
+        def total(x: Tensor) -> Tensor:
+            return x.sum().double()
+
+        zero = self.sums.new_zeros(())
+        kl_sum = zero if kl_tok is None else total(kl_tok.detach() * mask)
+        clipped_n, count = total(clipped & mask), total(mask)
+        firsts = [clipped_n, count] if first else [zero, zero]
+        self.sums += torch.stack([total(pg.detach() * mask), kl_sum, clipped_n, count, *firsts])
+        if first:
+            dev = torch.where(mask, (log_ratio.exp() - 1).abs(), 0.0).max().double()
+            self.first_ratio_dev = torch.maximum(self.first_ratio_dev, dev)
+
+    def reduced(self) -> dict:
+        """Means over every process's tokens."""
+        policy, kl_sum, clipped, count, first_clipped, first_count = distributed.sum_all(*self.sums.tolist())
+        tokens = max(count, 1.0)
+        return {
+            "loss/policy": policy / tokens,
+            "kl/value": kl_sum / tokens,
+            "clip_frac": clipped / tokens,
+            "clip_frac/first_minibatch": first_clipped / max(first_count, 1.0),
+            "ppo_ratio/first_minibatch_max_dev": distributed.max_one(float(self.first_ratio_dev)),
+            "grad_norm": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else math.nan,
+        }
+
+
+def update(
+    run, batch: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None, timer: PhaseTimer
+) -> dict:
+    """PPO epochs over minibatches, micro-batched; an EMA counting optimiser steps steps here.
+    `run` is the trainer's Run: its cfg, model, state, optimizer, scheduler and anchor.
+
+    With several processes `batch` is this rank's slice of the global batch: the permutation is
+    drawn over the global batch (the same random stream as one process), each rank takes its
+    rows, and the loss is divided by the global total, so the summed gradients are one process's.
+    """
+    cfg, stats = run.cfg, _Stats(batch.sequences.device)
+    local = len(batch.texts)
+    first = distributed.rank() * local
+    # Responses cut at the length limit can be left out of the loss (DAPO's overlong masking).
+    loss_mask = (
+        batch.response_mask & ~batch.truncated.unsqueeze(-1)
+        if cfg.algo.mask_overlong
+        else batch.response_mask
+    ) & old.keep  # the rollout correction's dropped tokens leave the loss and its count
+    for epoch in range(cfg.algo.epochs):
+        permutation = torch.randperm(local * distributed.world()).chunk(cfg.algo.minibatches)
+        for minibatch, rows in enumerate(permutation):
+            rows = rows[(rows >= first) & (rows < first + local)] - first
+            run.optimizer.zero_grad(set_to_none=True)
+            loss = _backward(
+                cfg, run.model, batch, rows, loss_mask, advantages, old, ref, stats, epoch + minibatch == 0
+            )
+            _optimizer_step(run, loss, stats, timer)
+    return stats.reduced()
+
+
+def _backward(
+    cfg, model, batch, rows_mb, loss_mask, advantages, old, ref, stats: _Stats, first: bool
+) -> float:
+    """Forward and backward of one minibatch, micro-batch by micro-batch (the gradients add up to
+    the minibatch's); returns its loss summed over processes, which every rank then agrees on."""
+    total = aggregation_total(
+        loss_mask[rows_mb],
+        cfg.algo.loss_aggregation,
+        reduce=distributed.sum_one,
+        length=cfg.rollout.max_new_tokens,
+    )
+    minibatch_loss = 0.0  # a float64 tensor on the loss's device once added to
+    for rows in micro_batches(cfg, batch, rows_mb):
+        weight = 0.0 if rows is None else 1.0  # a padding pass: the collectives, no gradient
+        rows = torch.arange(1) if rows is None else rows
+        part = batch.select(rows).trimmed()
+        w = part.response_mask.shape[1]
+        part_ref = None if ref is None else ref.select(rows, w)
+        pg, kl_tok, clipped, log_ratio = token_losses(
+            cfg, model, part, advantages[rows], old.select(rows, w), part_ref
+        )
+        loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
+        loss = weight * aggregate(loss_tok, loss_mask[rows, :w], cfg.algo.loss_aggregation, total)
+        loss.backward()
+        minibatch_loss = minibatch_loss + loss.detach().double()
+        stats.add(loss_mask[rows, :w] & (weight > 0), pg, kl_tok, clipped, log_ratio, first)
+    return distributed.sum_one(float(minibatch_loss))
+
+
+def _optimizer_step(run, loss: float, stats: _Stats, timer: PhaseTimer) -> None:
+    """Clip the gradient and step, unless loss or gradient is not finite (then weights, optimiser
+    moments, scheduler and anchor stay as they were); an EMA counting optimiser steps steps here."""
+    cfg, state = run.cfg, run.state
+    max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)  # global over shards
+    grad_norm = float(distributed.full(norm))
+    if not step_is_finite(state, loss, grad_norm, cfg.train.max_bad_steps):
+        return
+    stats.grad_norms.append(grad_norm)
+    run.optimizer.step()
+    run.scheduler.step()
+    state.optimizer_steps += 1
+    if run.anchor is not None and cfg.anchor.period_unit == "optimizer_steps":
+        with timer("ema"):
+            run.anchor.step(run.model, state.optimizer_steps)

@@ -30,8 +30,9 @@ import torch
 from emapg.model.anchor import Anchor
 from emapg.model.models import load_model_and_tokenizer
 from emapg.tasks import make_task
-from emapg.training import loop as trainer
 from emapg.training.config import load_config
+from emapg.training.loop import train
+from emapg.training.setup import load_policy
 
 SETTINGS = ((0.9, 1), (0.9, 10), (0.95, 10))  # (eta, period): the paper's two, and every step
 
@@ -46,8 +47,8 @@ def trajectory(out: Path, steps: int) -> tuple[Path, list[Path]]:
     cfg = load_config("quickstart", overrides)
     ckpts = [out / cfg.train.name / "checkpoints" / f"step_{s}" / "policy" for s in range(1, steps + 1)]
     if not ckpts[-1].is_dir():
-        trainer.train(cfg)
-    start = trainer.load_policy(cfg, make_task(cfg), progress=False)[2]
+        train(cfg)
+    start = load_policy(cfg, make_task(cfg.task, cfg.warmstart.cache_dir), progress=False)[2]
     return Path(start), ckpts
 
 
@@ -65,7 +66,9 @@ def per_token_kl(p: torch.nn.Module, q: torch.nn.Module, ids: torch.Tensor, mask
 
 
 def held_out(cfg, tokenizer, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    texts = [e.prompt + str(e.answer) for e in make_task(cfg).eval_examples()[:n]]
+    texts = [
+        e.prompt + str(e.answer) for e in make_task(cfg.task, cfg.warmstart.cache_dir).eval_examples()[:n]
+    ]
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     return enc.input_ids, enc.attention_mask
 

@@ -32,9 +32,9 @@ from emapg.algo import rollout_correction
 from emapg.prompts import encode_prompts
 from emapg.rollout import SamplingParams, eos_ids
 from emapg.tasks import make_task
-from emapg.training import loop as trainer
 from emapg.training import update
 from emapg.training.config import load_config
+from emapg.training.setup import load_policy
 from rollout_engines import add_model_arguments, load_average, random_model
 
 CAPS = (2.0, 3.0)
@@ -117,8 +117,8 @@ def main() -> None:
     print(header())
     if "tiny" in args.models:
         cfg = load_config("quickstart", ["train.progress=false"])
-        task = make_task(cfg)
-        model, tokenizer, model_dir = trainer.load_policy(cfg, task, progress=False)
+        task = make_task(cfg.task, cfg.warmstart.cache_dir)
+        model, tokenizer, model_dir = load_policy(cfg, task, progress=False)
         prompts = [e.prompt for e in task.eval_examples()[:64] for _ in range(cfg.rollout.group_size)]
         ids = encode_prompts(tokenizer, prompts, cfg.model.chat_template)
         measure("tiny", model_dir, model.eval(), tokenizer, ids, cfg, args.dtypes)

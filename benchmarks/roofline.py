@@ -61,7 +61,9 @@ from emapg.model.lm_head import backbone
 from emapg.model.models import pin_cpu_kernels
 from emapg.rollout import Rollout
 from emapg.training.config import load_config
-from emapg.training.loop import device_of, setup, training_params, training_step
+from emapg.training.loop import training_params, training_step
+from emapg.training.run import device_of
+from emapg.training.setup import setup
 from random_models import QWEN_05B, padded_tokenizer, random_qwen2
 
 PHASES = ("rollout", "scoring", "old_logp", "anchor", "update", "ema")

@@ -24,6 +24,7 @@ from emapg.rollout.remote.workers import RolloutWorkers
 from emapg.training import checkpoint
 from emapg.training import loop as trainer
 from emapg.training.config import load_config
+from emapg.training.setup import worker_spec
 
 FAST = ["task.num_train=64", "task.num_eval=16", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=5", "algo.micro_batch_size=8", "train.progress=false",
@@ -79,7 +80,7 @@ def test_pushed_weights_arrive_bit_exact(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setattr(link, "BUCKET_BYTES", 4096)  # several buckets (the trainer cuts them)
     cfg = config(tmp_path, tiny_model_dir, *ASYNC, "rollout.workers=1")
     model = load_model_and_tokenizer(tiny_model_dir)[0]
-    workers = RolloutWorkers(cfg, tiny_model_dir)
+    workers = RolloutWorkers(worker_spec(cfg), tiny_model_dir)
     try:
         g = torch.Generator().manual_seed(0)
         for version in (1, 2):
@@ -144,7 +145,7 @@ def test_a_worker_started_by_hand_joins_the_run(tmp_path, tiny_model_dir):
 
 
 def test_a_worker_with_a_wrong_rank_says_so(tmp_path, tiny_model_dir):
-    workers = RolloutWorkers(config(tmp_path, tiny_model_dir, *ASYNC), tiny_model_dir)
+    workers = RolloutWorkers(worker_spec(config(tmp_path, tiny_model_dir, *ASYNC)), tiny_model_dir)
     try:
         done = subprocess.run(
             [sys.executable, "-m", "emapg", "rollout-worker", "--address", workers.address, "--rank", "2"],
@@ -165,7 +166,7 @@ def test_a_worker_that_cannot_start_stops_the_run_with_its_reason(tmp_path, tiny
     with pytest.raises(
         EmapgError, match=r"rollout worker 1 stopped \(exit code 1\): \w+Error: .*no-such-dir"
     ):
-        RolloutWorkers(cfg, str(tmp_path / "no-such-dir"))
+        RolloutWorkers(worker_spec(cfg), str(tmp_path / "no-such-dir"))
 
 
 @pytest.mark.parametrize(

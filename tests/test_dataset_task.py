@@ -76,16 +76,15 @@ def test_jsonl_and_a_reward_module_by_import_path_train_and_log_that_functions_r
 
 
 def _task(tmp_path, model_dir, fns, weights="[]", isolation="process"):
-    return make_task(
-        dataset_config(
-            tmp_path,
-            model_dir,
-            f"task.reward_weights={weights}",
-            f"task.reward_isolation={isolation}",
-            "task.reward_timeout_s=2",
-            fns=fns,
-        )  # fmt: skip
+    cfg = dataset_config(
+        tmp_path,
+        model_dir,
+        f"task.reward_weights={weights}",
+        f"task.reward_isolation={isolation}",
+        "task.reward_timeout_s=2",
+        fns=fns,
     )
+    return make_task(cfg.task, cfg.warmstart.cache_dir)
 
 
 def test_raising_hanging_and_abstaining_functions_are_guarded(tmp_path, tiny_model_dir):
@@ -105,9 +104,8 @@ def test_a_messages_column_is_templated_like_the_math_prompts(tmp_path, tiny_mod
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3+4"}]
     rows = [{"prompt": [{"role": "user", "content": user}], "answer": "3"}, {"prompt": chat, "answer": "7"}]
     train = write_jsonl(tmp_path / "chat.jsonl", rows * 3)
-    task = make_task(
-        dataset_config(tmp_path, tiny_model_dir, train=train, evals=train, fns=f"{MODULE}:chat_kind")
-    )
+    cfg = dataset_config(tmp_path, tiny_model_dir, train=train, evals=train, fns=f"{MODULE}:chat_kind")
+    task = make_task(cfg.task, cfg.warmstart.cache_dir)
     single, multi = (e.prompt for e in task.train_examples()[:2])
     tok = build_tiny_tokenizer()
     tok.chat_template = (
@@ -180,7 +178,7 @@ def test_a_text_reward_on_chat_data_stops_before_any_step_saying_what_to_change(
     train = write_jsonl(tmp_path / "chat.jsonl", rows)
     cfg = dataset_config(tmp_path, tiny_model_dir, train=train, evals=train, fns=f"{MODULE}:text_only")
     with pytest.raises(EmapgError) as e:
-        make_task(cfg)
+        make_task(cfg.task, cfg.warmstart.cache_dir)
     assert str(e.value) == (
         f"task.reward_fns: reward function {MODULE}:text_only raised AttributeError: 'list' object has no "
         f"attribute 'strip'{CHAT_HINT} (called on the first training record with an empty completion)"
@@ -226,7 +224,7 @@ def test_eval_data_defaults_to_held_out_training_records(tmp_path, tiny_model_di
     train = write_jsonl(tmp_path / "all.jsonl", sums(20))
     cfg = dataset_config(tmp_path, tiny_model_dir, train=train)
     cfg.task.eval_files = []
-    task = make_task(cfg)
+    task = make_task(cfg.task, cfg.warmstart.cache_dir)
     assert len(task.train_examples()) == 12
     assert [e.meta["columns"]["answer"] for e in task.eval_examples()] == [r["answer"] for r in sums(20)[12:]]
 

@@ -10,11 +10,12 @@ from emapg.algo.guards import step_is_finite
 from emapg.errors import EmapgError
 from emapg.model.models import load_model_and_tokenizer
 from emapg.training import loop as trainer
+from emapg.training.run import TrainerState
 from test_trainer import config
 
 
 def test_counts_skips_and_stops_at_the_limit():
-    state = trainer.TrainerState()
+    state = TrainerState()
     assert step_is_finite(state, 1.0, 2.0, 3)
     assert not step_is_finite(state, math.nan, 2.0, 3)
     assert not step_is_finite(state, 1.0, math.inf, 3)

@@ -17,6 +17,7 @@ from emapg.tasks.search.environment import INVALID_ACTION, SearchEnvironment, in
 from emapg.tasks.search.task import TINY_EXTRA_CHARS
 from emapg.training import loop as trainer
 from emapg.training import metrics
+from emapg.training.run import CHECKPOINT_FORMAT
 from test_trainer import config
 
 
@@ -226,7 +227,7 @@ def test_the_registry_trains_a_users_task(tmp_path, tiny_model_dir):
     with TASKS.registered("echo", lambda cfg: EchoTask(), ProblemSettings):  # FAST sets task.num_*
         assert "echo" in task_names()
         cfg = config(tmp_path, tiny_model_dir, "task.name=echo", "train.steps=2", "train.eval_every=1")
-        assert isinstance(make_task(cfg), EchoTask)
+        assert isinstance(make_task(cfg.task, cfg.warmstart.cache_dir), EchoTask)
         trainer.train(cfg)
     assert "echo" not in task_names()  # registered for the block only
     records = [
@@ -252,7 +253,8 @@ def test_an_unknown_task_or_a_factory_returning_no_task_stops_with_one_line(tmp_
         TASKS.registered("not_a_task", lambda cfg: object(), ProblemSettings),
         pytest.raises(EmapgError, match="task 'not_a_task': its factory returned object, not an emapg Task"),
     ):
-        make_task(config(tmp_path, tiny_model_dir, "task.name=not_a_task"))
+        cfg = config(tmp_path, tiny_model_dir, "task.name=not_a_task")
+        make_task(cfg.task, cfg.warmstart.cache_dir)
 
 
 def test_phase_timer_counts_nested_phases_once(monkeypatch):
@@ -275,7 +277,7 @@ def test_checkpoints_of_the_older_format_resume_and_unknown_formats_stop(tmp_pat
     trainer.train(cfg)
     path = _checkpoint_state(tmp_path)
     state = json.loads(path.read_text())
-    assert state["format"] == trainer.CHECKPOINT_FORMAT and state["trainer"]["optimizer_steps"] == 2
+    assert state["format"] == CHECKPOINT_FORMAT and state["trainer"]["optimizer_steps"] == 2
     # Format 1 (before this field existed, and before skipped_steps was counted) still resumes.
     del state["format"], state["trainer"]["skipped_steps"], state["trainer"]["bad_in_row"]
     path.write_text(json.dumps(state))

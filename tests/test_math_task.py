@@ -9,6 +9,7 @@ import pytest
 from emapg.data import math_samples
 from emapg.errors import EmapgError
 from emapg.model.models import ALPHABET, build_tiny_model, build_tiny_tokenizer
+from emapg.tasks import make_task
 from emapg.tasks.base import Example
 from emapg.tasks.math import (
     DATA_DIR,
@@ -103,7 +104,7 @@ def test_shipped_samples_are_the_generators_output_and_correct(tmp_path):
 
 def test_config_selects_math_with_shipped_data_and_caps():
     cfg = load_config("math_tiny", ["task.num_train=10", "task.num_eval=3"])
-    task = trainer.make_task(cfg)
+    task = make_task(cfg.task, cfg.warmstart.cache_dir)
     assert isinstance(task, MathTask)
     assert len(task.train_examples()) == 10 and len(task.eval_examples()) == 3
     assert task.eval_examples()[0].prompt.endswith("\nGive the answer in \\boxed{}.")
@@ -113,7 +114,7 @@ def test_config_data_files_and_validation(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "q?", "answer": "so\n#### 5"}) + "\n")
     cfg = load_config(None, ["task.name=math", f"task.train_files=[{data}]", f"task.eval_files=[{data}]"])
-    task = trainer.make_task(cfg)
+    task = make_task(cfg.task, cfg.warmstart.cache_dir)
     assert [e.answer for e in task.train_examples() + task.eval_examples()] == ["5", "5"]
     forced = load_config(
         None,
@@ -124,7 +125,7 @@ def test_config_data_files_and_validation(tmp_path):
             "task.schema=qwen_math",
         ],
     )
-    assert trainer.make_task(forced).eval_examples()[0].answer == "so\n#### 5"
+    assert make_task(forced.task, forced.warmstart.cache_dir).eval_examples()[0].answer == "so\n#### 5"
     bad = {
         "task.train_files=[nope.jsonl]": "task.train_files: 'nope.jsonl' does not exist",
         "task.format_reward=1": "task.format_reward: input should be less than 1; got 1",

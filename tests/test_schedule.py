@@ -12,6 +12,7 @@ from emapg.model.models import checkpoint_activations, load_model_and_tokenizer
 from emapg.training import loop as trainer
 from emapg.training import update
 from emapg.training.metrics import PhaseTimer
+from emapg.training.run import TrainerState
 from test_trainer import config
 
 PROMPTS = ["1+2=", "34+5=", "6=", "78+90=", "1+1=", "2+3="]
@@ -24,7 +25,7 @@ def _grads_after_update(cfg, model, batch, advantages, checkpointing=False):
     model.train()
     run = SimpleNamespace(
         cfg=cfg, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        scheduler=SimpleNamespace(step=lambda: None), state=trainer.TrainerState(), anchor=None,
+        scheduler=SimpleNamespace(step=lambda: None), state=TrainerState(), anchor=None,
     )  # fmt: skip
     torch.manual_seed(0)
     stats = update.update(run, batch, advantages, engine_old(batch), None, PhaseTimer())

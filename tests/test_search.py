@@ -478,7 +478,7 @@ def test_format_reward_and_information_text():
 def test_the_episode_cap_must_fit_the_models_context():
     from types import SimpleNamespace
 
-    from emapg.training.loop import check_context
+    from emapg.training.setup import check_context
 
     cfg = load_config("search_tiny")
     tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)

@@ -7,8 +7,10 @@ import torch
 
 from conftest import engine_old, sample
 from emapg.algo import kl
+from emapg.model.anchor import Anchor
 from emapg.model.models import load_model_and_tokenizer
 from emapg.training import loop as trainer
+from emapg.training import run as run_module
 from emapg.training import update
 from emapg.training.config import load_config
 
@@ -60,7 +62,7 @@ def test_trainer_kl_path_equals_token_kl(tmp_path, tiny_model_dir, estimator, di
         topk=k if direction == "reverse" else 0,
     )  # fmt: skip
     # Policy and anchor differ from the sampling policy (off-policy minibatch, moved anchor).
-    anchor = trainer.Anchor(model, 0.9, 1)
+    anchor = Anchor(model, 0.9, 1)
     _perturb(model, 1)
     _perturb(anchor.model, 2)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -102,7 +104,7 @@ def test_no_anchor_is_built_or_run_without_kl(tmp_path, tiny_model_dir, monkeypa
         raise AssertionError("anchor pass ran with kl.beta = 0")
 
     monkeypatch.setattr(trainer, "anchor_pass", forbidden)
-    monkeypatch.setattr(trainer, "Anchor", forbidden)
+    monkeypatch.setattr(run_module, "Anchor", forbidden)
     cfg = config(
         tmp_path, tiny_model_dir, "kl.beta=0", "anchor.kind=none", "train.steps=2", "train.eval_every=2"
     )

@@ -126,7 +126,7 @@ def demonstrations(task: CalculatorTask) -> WarmStartRecipe:
 
 register_task(
     "calculator",
-    lambda cfg: CalculatorTask(cfg.task.seed, cfg.task.num_train, cfg.task.num_eval, cfg.task.max_calls),
+    lambda inputs: CalculatorTask(inputs.task.seed, inputs.task.num_train, inputs.task.num_eval, inputs.task.max_calls),
     CalculatorSettings,
     warm_start=demonstrations,
 )

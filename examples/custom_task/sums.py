@@ -37,4 +37,4 @@ class Sums(Task):
         return float(bool(words) and words[0] == example.answer)
 
 
-register_task("sums", lambda cfg: Sums(cfg.task), SumsSettings)
+register_task("sums", lambda inputs: Sums(inputs.task), SumsSettings)

@@ -5,14 +5,13 @@ From Python:
     import emapg
     emapg.train("quickstart", ["train.steps=50"])           # a config name or path, overrides
     emapg.train(cfg, task=MyTask())                          # a Config and your own Task
-    emapg.register_task("my_task", lambda cfg: MyTask(cfg.task.level), config=MySettings)
+    emapg.register_task("my_task", lambda inputs: MyTask(inputs.task.level), config=MySettings)
     emapg.train("quickstart", ["task.name=my_task", "task.level=3"])
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 from emapg import moved
 from emapg.tasks import register_task
@@ -41,17 +40,14 @@ def train(config=None, overrides: Sequence[str] = (), *, task=None, resume: bool
     reward_isolation) carry over.
     """
     from emapg.errors import EmapgError
-    from emapg.tasks import TASKS, Task, TaskSettings
-    from emapg.training.config import Config, build, read_config, with_overrides
+    from emapg.tasks import TASKS, Task
+    from emapg.training.config import run_config
     from emapg.training.loop import train as run
 
-    raw = config.model_dump(exclude_unset=True) if isinstance(config, Config) else read_config(config)
-    scope = nullcontext()
-    if task is not None:
-        if not isinstance(task, Task):
-            raise EmapgError(f"emapg.train: task must be an emapg Task, got {type(task).__name__}")
-        scope = TASKS.registered(task.name, lambda cfg: task)
-        kept = {k: v for k, v in (raw.get("task") or {}).items() if k in TaskSettings.model_fields}
-        raw = {**raw, "task": {**kept, "name": task.name}}
-    with scope:
-        return run(build(with_overrides(raw, list(overrides))), resume=resume)
+    if task is None:
+        return run(run_config(config, list(overrides), resume=resume), resume=resume)
+    if not isinstance(task, Task):
+        raise EmapgError(f"emapg.train: task must be an emapg Task, got {type(task).__name__}")
+    with TASKS.registered(task.name, lambda inputs: task):
+        cfg = run_config(config, list(overrides), resume=resume, task_name=task.name)
+        return run(cfg, resume=resume)

@@ -41,11 +41,11 @@ def import_user_modules(specs: list[str]) -> None:
 def _train(args) -> None:
     import yaml
 
-    from emapg.training.config import load_config, resume_config
+    from emapg.training.config import run_config
     from emapg.training.loop import train
 
     import_user_modules(args.imports)
-    cfg = (resume_config if args.resume else load_config)(args.config, args.overrides)
+    cfg = run_config(args.config, args.overrides, resume=args.resume)
     if args.print_config:
         print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
         return
@@ -75,13 +75,13 @@ def _sft(args) -> None:
     from emapg.model.models import pin_cpu_kernels
     from emapg.tasks import make_task
     from emapg.training.config import load_config
-    from emapg.training.loop import load_policy
+    from emapg.training.setup import load_policy
 
     import_user_modules(args.imports)
     cfg = load_config(args.config, args.overrides)
     if cfg.model.path == "builtin:tiny":
         pin_cpu_kernels()  # as `emapg train` does, before any CPU kernel runs
-    task = make_task(cfg)
+    task = make_task(cfg.task, cfg.warmstart.cache_dir)
     load_policy(cfg, task, progress=cfg.train.progress)
     print(f"warm start ready (cached under {cfg.warmstart.cache_dir})")
 

@@ -151,10 +151,11 @@ class ValidationSets:
     examples: dict[str, list[Example]]  # by dataset name
 
     @classmethod
-    def load(cls, files: list[str], prompt: str, timeout_s: float) -> ValidationSets | None:
+    def load(cls, files: list[str], prompt: str | None, timeout_s: float) -> ValidationSets | None:
+        """eval.datasets' sets, their prompts written with `prompt` (None: the math task's default)."""
         if not files:
             return None
-        datasets = load_datasets(files, prompt)
+        datasets = load_datasets(files, prompt or PROMPT)
         task = next(iter(datasets.values())).task  # grading reads the example alone: any will do
         return cls(
             task, RewardScorer(task, timeout_s=timeout_s), {n: d.examples for n, d in datasets.items()}

@@ -74,14 +74,14 @@ def require_peft(r: int):
     return peft
 
 
-def wrap(model: nn.Module, cfg) -> nn.Module:
-    """`model` with a trainable LoRA adapter "policy" and its base frozen (cfg: the lora section)."""
-    peft = require_peft(cfg.r)
-    targets = cfg.target_modules
+def wrap(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """`model` with a trainable LoRA adapter "policy" and its base frozen."""
+    peft = require_peft(settings.r)
+    targets = settings.target_modules
     config = peft.LoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
         target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
         bias="none",
         task_type="CAUSAL_LM",

@@ -116,6 +116,15 @@ def with_call_seed(params: SamplingParams) -> SamplingParams:
     return replace(params, seed=int(torch.randint(0, 1 << 62, ())))
 
 
+@dataclass(frozen=True)
+class EngineNeeds:
+    """What a run asks of its engine beyond the `rollout` section."""
+
+    dtype: str  # the engine's weights (model.dtype, or the engine's own rollout.dtype)
+    seed: int  # the run's seed (an engine with a generator of its own seeds it so)
+    max_logprobs: int  # the most top-k ids recorded per token (the KL's k)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Samples responses with the current policy; see the module doc for the call order."""

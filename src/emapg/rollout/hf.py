@@ -32,7 +32,7 @@ from transformers import (
 
 from emapg import distributed
 from emapg.batch import Rollout, left_pad
-from emapg.rollout.base import SamplingParams, eos_ids, with_call_seed
+from emapg.rollout.base import EngineNeeds, RolloutSettings, SamplingParams, eos_ids, with_call_seed
 
 
 class _SamplingRecorder(LogitsProcessor):
@@ -136,9 +136,9 @@ class _EndTracker(StoppingCriteria):
         return self.length >= 0
 
 
-def make(cfg, model, tokenizer, model_dir: str) -> HFEngine:
+def make(settings: RolloutSettings, model, tokenizer, model_dir: str, needs: EngineNeeds) -> HFEngine:
     """The engine `rollout.engine=hf` builds: generate with the live policy module itself."""
-    return HFEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+    return HFEngine(model, tokenizer, batch_size=settings.batch_size)
 
 
 class HFEngine:

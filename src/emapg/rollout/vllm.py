@@ -54,7 +54,7 @@ from emapg import distributed
 from emapg.batch import ResponseRow, Rollout, rollout_from_rows
 from emapg.errors import EmapgError
 from emapg.model import lora
-from emapg.rollout.base import RolloutSettings, SamplingParams, eos_ids, with_call_seed
+from emapg.rollout.base import EngineNeeds, RolloutSettings, SamplingParams, eos_ids, with_call_seed
 from emapg.settings import Float, setting
 
 SUPPORTED = ((0, 32), (0, 33))  # vLLM versions [low, high) whose API this file uses
@@ -222,15 +222,14 @@ class VllmSettings(RolloutSettings):
     vllm_max_model_len: int = setting(0, "context vLLM reserves KV cache for (0: the model's maximum)", ge=0)
 
 
-def make(cfg, model, tokenizer, model_dir: str) -> VllmEngine:
+def make(r: VllmSettings, model, tokenizer, model_dir: str, needs: EngineNeeds) -> VllmEngine:
     """The engine `rollout.engine=vllm` builds, sampling from the weights in `model_dir`."""
-    r = cfg.rollout
     return VllmEngine(
         model_dir,
         tokenizer,
-        dtype=cfg.engine_dtype,
-        seed=cfg.train.seed,
-        max_logprobs=max(cfg.kl.k, 1),
+        dtype=needs.dtype,
+        seed=needs.seed,
+        max_logprobs=needs.max_logprobs,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         enforce_eager=r.vllm_enforce_eager,
         max_model_len=r.vllm_max_model_len or None,

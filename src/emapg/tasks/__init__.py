@@ -1,22 +1,24 @@
 """Tasks: prompts, references and rewards, found by name in a registry.
 
     from emapg.tasks import register_task
-    register_task("my_task", lambda cfg: MyTask(cfg.task.level), config=MySettings)
+    register_task("my_task", lambda inputs: MyTask(inputs.task.level), config=MySettings)
 
 Then `task.name=my_task task.level=3` sets and validates the task's own settings (MySettings,
-a subclass of TaskSettings or ProblemSettings). A factory takes the run's Config and returns an
-`emapg.tasks.base.Task`. `warm_start` (optional) gives the built-in tiny model's warm start for
+a subclass of TaskSettings or ProblemSettings). A factory takes a `TaskInputs` (the `task`
+section and a cache folder) and returns an `emapg.tasks.base.Task`. `warm_start` (optional) gives the built-in tiny model's warm start for
 the task (an `emapg.training.sft.WarmStartRecipe`; default: its training examples).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 from emapg.errors import EmapgError
 from emapg.settings import Registry
 from emapg.tasks import arithmetic, dataset, math
-from emapg.tasks.base import Example, ProblemSettings, Task, TaskSettings, WarmStartRecipe
+from emapg.tasks.base import Example, ProblemSettings, Task, TaskInputs, TaskSettings, WarmStartRecipe
 from emapg.tasks.search import task as search_task
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "Example",
     "ProblemSettings",
     "Task",
+    "TaskInputs",
     "TaskSettings",
     "WarmStartRecipe",
     "make_task",
@@ -42,7 +45,7 @@ def register_task(
     *,
     warm_start: Callable | None = None,
 ) -> None:
-    """`task.name=name` builds its task with `factory(cfg)`; `config` is its `task` section (a
+    """`task.name=name` builds its task with `factory(inputs)` (a TaskInputs); `config` is its `task` section (a
     TaskSettings subclass; default: TaskSettings alone). A later call replaces the entry."""
     TASKS.register(name, factory, config, warm_start=warm_start)
 
@@ -51,10 +54,10 @@ def task_names() -> list[str]:
     return TASKS.names()
 
 
-def make_task(cfg) -> Task:
-    """The task `cfg.task.name` names, built by its registered factory."""
-    name = cfg.task.name
-    task = TASKS[name].factory(cfg)
+def make_task(settings: TaskSettings, cache_dir: str | os.PathLike[str]) -> Task:
+    """The task `settings.name` names, built by its registered factory from its section."""
+    name = settings.name
+    task = TASKS[name].factory(TaskInputs(settings, Path(cache_dir).expanduser()))
     if not isinstance(task, Task):
         raise EmapgError(f"task {name!r}: its factory returned {type(task).__name__}, not an emapg Task")
     return task

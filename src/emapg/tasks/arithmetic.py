@@ -13,7 +13,7 @@ from pydantic import model_validator
 
 from emapg.errors import EmapgError
 from emapg.settings import check, setting, validated
-from emapg.tasks.base import Example, ProblemSettings, Task, TaskSettings
+from emapg.tasks.base import Example, ProblemSettings, Task, TaskInputs, TaskSettings
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -51,8 +51,8 @@ class ArithmeticTask(Task):
         self._train, self._eval = self._generate()
 
     @classmethod
-    def from_config(cls, cfg) -> ArithmeticTask:
-        return cls(**cfg.task.model_dump(exclude=set(TaskSettings.model_fields)))
+    def from_config(cls, inputs: TaskInputs) -> ArithmeticTask:
+        return cls(**inputs.task.model_dump(exclude=set(TaskSettings.model_fields)))
 
     def train_examples(self) -> list[Example]:
         return list(self._train)

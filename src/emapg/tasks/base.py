@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from emapg.settings import setting
@@ -24,6 +25,15 @@ class ProblemSettings(TaskSettings):
 
     num_train: int = setting(4000, "training problems (at most)", ge=0)
     num_eval: int = setting(200, "held-out problems for eval/accuracy (at most)", ge=0)
+
+
+@dataclass(frozen=True)
+class TaskInputs:
+    """What a task's factory is given: its `task` section (`inputs.task.my_field`) and a folder
+    it may cache files in (the run's warmstart.cache_dir)."""
+
+    task: TaskSettings
+    cache_dir: Path
 
 
 @runtime_checkable

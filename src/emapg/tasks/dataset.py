@@ -24,7 +24,7 @@ from pydantic import model_validator
 from emapg.errors import EmapgError
 from emapg.prompts import ChatPrompt
 from emapg.settings import Float, check, setting
-from emapg.tasks.base import Example, ProblemSettings, Task, WarmStartRecipe
+from emapg.tasks.base import Example, ProblemSettings, Task, TaskInputs, WarmStartRecipe
 from emapg.tasks.records import FILE_TYPES, read_records
 from emapg.tasks.reward_fns import RewardFunction, RewardReturnError, load_reward_functions
 from emapg.tasks.rewards import ABSTAINED, Reward
@@ -269,10 +269,10 @@ def check_returns(task: DatasetTask, timeout_s: float, isolation: str) -> None:
         raise EmapgError(f"task.reward_fns: {problems[0]} (called on the first training record with {probe})")
 
 
-def from_config(cfg) -> DatasetTask:
-    """The dataset task of a Config: data loaded, functions imported, signatures and columns
+def from_config(inputs: TaskInputs) -> DatasetTask:
+    """The dataset task of a `task` section: data loaded, functions imported, signatures and columns
     checked, and each function's return type probed, all before the model loads."""
-    t = cfg.task
+    t = inputs.task
     fns = load_reward_functions(t.reward_fns, t.reward_weights)
 
     def rows(sources: list[str], split: str, field: str) -> list[dict]:

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, model_validator
 
 from emapg.settings import Float, check, existing_paths, setting, validated
-from emapg.tasks.base import Example, ProblemSettings, Task, WarmStartRecipe
+from emapg.tasks.base import Example, ProblemSettings, Task, TaskInputs, WarmStartRecipe
 from emapg.tasks.math_data import BOXED, SCHEMA_NAMES, Problem, load_problems
 
 __all__ = ["PROMPT", "MathSettings", "MathTask", "from_config"]
@@ -129,10 +129,10 @@ def warm_start(task: MathTask):
     return WarmStartRecipe(task, examples, extra_chars=TINY_EXTRA_CHARS)
 
 
-def from_config(cfg) -> MathTask:
-    """The task of a Config: its data files read with task.schema (default: the shipped sample
+def from_config(inputs: TaskInputs) -> MathTask:
+    """The task of a `task` section: its data files read with task.schema (default: the shipped sample
     set), at most task.num_train / task.num_eval problems of each split."""
-    t = cfg.task
+    t = inputs.task
 
     def problems(files: list[str], default: Path, limit: int) -> list[Problem]:
         loaded = [p for f in files for p in load_problems(f, t.schema)] if files else load_problems(default)

@@ -22,7 +22,8 @@ from emapg.tasks import make_task
 from emapg.tasks.rewards import RewardScorer
 from emapg.training import checkpoint
 from emapg.training.config import load_config
-from emapg.training.loop import device_of, eval_params
+from emapg.training.evaluation import eval_params
+from emapg.training.run import device_of
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -66,12 +67,12 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, *, anchor:
     weights = anchor_file(path) if anchor else None
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)  # as the run had: a reduction's order is the threads'
-    task = make_task(cfg)
+    task = make_task(cfg.task, cfg.warmstart.cache_dir)
     model, tokenizer = load_model_and_tokenizer(path / "policy", dtype=getattr(torch, cfg.model.dtype))
     if weights is not None:
         load_model(model, str(weights))
     model.to(device_of(cfg)).eval()
-    engine = make_engine(cfg, model, tokenizer, str(path / "policy"))
+    engine = make_engine(cfg.rollout, model, tokenizer, str(path / "policy"), cfg.engine_needs)
     try:
         engine.sync_weights(
             model, ("checkpoint", str(weights))

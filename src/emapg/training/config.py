@@ -18,19 +18,19 @@ from pydantic import Field, SerializeAsAny, ValidationError, model_validator
 
 from emapg.algo.advantages import NEEDS_GROUPS
 from emapg.algo.kl import KLSettings
+from emapg.algo.settings import AlgoSettings
 from emapg.errors import EmapgError
 from emapg.eval.evaluate import EvalSettings
 from emapg.model.anchor import AnchorSettings
 from emapg.model.lora import LoraSettings
 from emapg.model.models import ModelSettings
-from emapg.rollout import ENGINES, RolloutSettings
+from emapg.rollout import ENGINES, EngineNeeds, RolloutSettings
 from emapg.settings import Registry, Section, check, one_line, setting, suggest, validated
 from emapg.tasks import TASKS, TaskSettings
 from emapg.tasks.arithmetic import ArithmeticSettings
 from emapg.training.optim import OptimSettings
 from emapg.training.run_folder import saved_config
 from emapg.training.sft import WarmStartSettings
-from emapg.training.update import AlgoSettings
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MOVED = {"retriever": "the retriever settings moved under task (e.g. task.topk, with task.name=search)"}
@@ -130,6 +130,11 @@ class Config(Section):
             f"model, in model.dtype={self.model.dtype}",
         )
         return self
+
+    @property
+    def engine_needs(self) -> EngineNeeds:
+        """What the rollout engine is asked for besides its section."""
+        return EngineNeeds(dtype=self.engine_dtype, seed=self.train.seed, max_logprobs=max(self.kl.k, 1))
 
     @property
     def engine_dtype(self) -> str:
@@ -274,22 +279,46 @@ def read_config(path: str | None = None) -> dict:
     return data
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: list[str] = (), task_name: str | None = None) -> Config:
     """Defaults, then the YAML file (default: the quickstart), then `key=value` overrides. A run
-    the file does not name is named after the file (my_data.yaml -> runs/my_data)."""
-    raw = with_overrides(read_config(path), list(overrides))
+    the file does not name is named after the file (my_data.yaml -> runs/my_data). `task_name`:
+    the run trains a task given as an object, and of the file's task section only the settings
+    every task has carry over."""
+    raw = with_overrides(given_task(read_config(path), task_name), list(overrides))
     raw.setdefault("train", {}).setdefault("name", Path(path or "quickstart").stem)
     return build(raw)
 
 
-def resume_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+def given_task(raw: dict, task_name: str | None) -> dict:
+    """`raw` with its task section cut to what every task has and named `task_name` (if given)."""
+    if task_name is None:
+        return raw
+    kept = {k: v for k, v in (raw.get("task") or {}).items() if k in TaskSettings.model_fields}
+    return {**raw, "task": {**kept, "name": task_name}}
+
+
+def resume_config(path: str | None = None, overrides: list[str] = (), task_name: str | None = None) -> Config:
     """`--resume`: the run's saved config, then the `key=value` overrides. The config file and
-    overrides only name the run (train.output_dir, train.name); the file's other values are not
-    applied, so a resumed run keeps the settings it ran under unless the command line changes them."""
-    named = load_config(path, overrides).train
+    its train.* overrides only name the run (train.output_dir, train.name); the file's other values
+    are not applied, so a resumed run keeps the settings it ran under unless the command line
+    changes them."""
+    naming = [o for o in overrides if o.partition("=")[0].strip().startswith("train.")]
+    named = load_config(path, naming, task_name).train
     run_dir = Path(named.output_dir) / named.name
     saved = saved_config(run_dir)
     try:  # a setting emapg no longer has, or an override the saved config's task does not take
         return build(with_overrides(saved, list(overrides)))
     except EmapgError as e:
         raise EmapgError(f"--resume: {run_dir / 'config.yaml'}: {e}") from None
+
+
+def run_config(
+    config: Config | str | None = None, overrides: list[str] = (), *, resume: bool = False,
+    task_name: str | None = None,
+) -> Config:  # fmt: skip
+    """The one way a run's config is made, for `emapg.train` and `emapg train` alike: a Config as
+    given or a YAML file (load_config; resume_config when resuming), then the overrides."""
+    if isinstance(config, Config):
+        raw = given_task(config.model_dump(exclude_unset=True), task_name)
+        return build(with_overrides(raw, list(overrides)))
+    return (resume_config if resume else load_config)(config, overrides, task_name)

@@ -12,114 +12,27 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Literal
 
 import torch
-from pydantic import field_validator
 from torch import Tensor
 
 from emapg import distributed
 from emapg.algo import kl, rollout_correction
-from emapg.algo.advantages import estimator
 from emapg.algo.guards import step_is_finite
 from emapg.algo.policy_loss import (
-    AGGREGATIONS,
-    LOSSES,
-    RATIO_LEVELS,
     aggregate,
     aggregation_total,
     cispo,
     log_ratio,
     ppo_clip,
 )
-from emapg.algo.rollout_correction import MODES as CORRECTIONS
 from emapg.batch import Rollout
 from emapg.model.anchor import Anchor
 from emapg.model.lm_head import response_summary
 from emapg.model.lora import AdapterAnchor
-from emapg.settings import Float, Section, check, setting
+from emapg.training.config import Config
 from emapg.training.metrics import PhaseTimer
-
-
-class AlgoSettings(Section):
-    """The `algo` section: advantages, the policy loss, epochs, batching, dynamic sampling and the
-    off-policy corrections (docs/training.md has each method and its source)."""
-
-    key: ClassVar[str] = "algo"
-    advantage: str = setting(
-        "grpo",
-        "grpo (std-normalised), drgrpo (no std), batch_std, rloo (leave-one-out), reinforce_pp (REINFORCE++: "
-        "batch whitening), or module:function / path/to/file.py:function (emapg/algo/advantages.py)",
-    )
-    loss: Literal[LOSSES] = setting(
-        "ppo_clip", "ppo_clip (PPO's clipped surrogate) or cispo (clipped weight, no gradient, times log pi)"
-    )
-    ratio_level: Literal[RATIO_LEVELS] = setting(
-        "token",
-        "token: pi/pi_old per token; sequence: GSPO's length-normalised ratio of the whole response "
-        "(use GSPO's clip ranges, e.g. clip_low=3e-4 clip_high=4e-4)",
-    )
-    clip_low: Float = setting(0.2, "ratio clip below: 1 - clip_low (1: no lower clip)", ge=0, le=1)
-    clip_high: Float = setting(0.2, "ratio clip above: 1 + clip_high", ge=0)
-    dual_clip: Float = setting(
-        3.0, "ppo_clip with A < 0: the loss bounded by dual_clip * |A| (verl's clip_ratio_c); 0: off"
-    )
-    epochs: int = setting(1, "passes over each rollout batch", ge=1)
-    minibatches: int = setting(1, "optimiser steps per epoch (the batch is split this many ways)", ge=1)
-    micro_batch_size: int = setting(64, "sequences per forward/backward (gradient accumulation)", ge=1)
-    micro_batch_tokens: int = setting(
-        0,
-        "pack micro-batches up to this many tokens (rows x padded length) instead; 0: by micro_batch_size",
-        ge=0,
-    )
-    mask_overlong: bool = setting(
-        False, "leave responses cut at the length limit (no EOS or stop) out of the loss"
-    )
-    loss_aggregation: Literal[AGGREGATIONS] = setting(
-        "token_mean", "every token weighs the same, or every sequence"
-    )
-    old_logp: Literal["auto", "recompute", "engine"] = setting(
-        "auto",
-        "pi_old of the PPO ratio and the KL's top-k set: recompute (a no-grad pass of the policy), engine "
-        "(the sampling engine's); auto: engine only where it is the policy itself (hf, same dtype, top_p=1)",
-    )
-    rollout_correction: Literal[CORRECTIONS] = setting(
-        "token_tis",
-        "weight or drop tokens by pi_old/mu (mu: the engine that sampled). token_tis, verl's default, "
-        "never drops data and does not grow with length; seq_mask (TRL's) drops most long sequences",
-    )
-    rollout_correction_cap: Float = setting(
-        2.0, "C of algo.rollout_correction: weights truncated at C, masks keep ratios in [1/C, C]", gt=1
-    )
-    dynamic_sampling: bool = setting(
-        False,
-        "DAPO: drop groups whose rewards are all equal and sample further prompts until the step has "
-        "rollout.prompts_per_step groups with signal",
-    )
-    max_sampling_rounds: int = setting(
-        10,
-        "dynamic sampling: most rounds of rollout.prompts_per_step prompts a step samples; at the bound the "
-        "last round's groups without signal fill the step",
-        ge=1,
-    )
-    overlong_buffer: int = setting(
-        0,
-        "DAPO's overlong shaping: a linear penalty over the last this many tokens of the length limit; 0: off",
-        ge=0,
-    )
-    overlong_penalty: Float = setting(1.0, "the overlong shaping's penalty at the length limit", ge=0)
-
-    @field_validator("advantage")
-    @classmethod
-    def _estimator(cls, name: str) -> str:
-        estimator(name)  # a built-in one, or the user's function by import path: loaded now
-        return name
-
-    @field_validator("dual_clip")
-    @classmethod
-    def _above_one(cls, c: float) -> float:
-        check(c == 0 or c > 1, f"must be 0 (off) or > 1; got {c}")
-        return c
+from emapg.training.run import Run
 
 
 @dataclass
@@ -152,7 +65,9 @@ class OldPolicy:
 
 
 @torch.no_grad()
-def response_logp(cfg, model, batch: Rollout, temperature: float, k: int = 0) -> tuple[Tensor, Tensor]:
+def response_logp(
+    cfg: Config, model, batch: Rollout, temperature: float, k: int = 0
+) -> tuple[Tensor, Tensor]:
     """A no-grad pass of `model` over the batch at `temperature`, micro-batch by micro-batch: the
     log-prob of each sampled token [N, L] and the model's top-k ids there [N, L, k]. Before the
     first optimiser step, at the rollout's temperature, it is the trainer's own pi_old."""
@@ -166,7 +81,7 @@ def response_logp(cfg, model, batch: Rollout, temperature: float, k: int = 0) ->
     return logp, topk_ids
 
 
-def old_policy(cfg, model, batch: Rollout, k: int, timer: PhaseTimer) -> tuple[OldPolicy, dict]:
+def old_policy(cfg: Config, model, batch: Rollout, k: int, timer: PhaseTimer) -> tuple[OldPolicy, dict]:
     """pi_old (recomputed, or the engine's log-probs: `Config.recomputes_old_logp`), the rollout
     correction, and their metrics: mismatch/* (only when recomputed: else mu is pi_old) and
     rollout_correction/*."""
@@ -203,7 +118,7 @@ def old_policy(cfg, model, batch: Rollout, k: int, timer: PhaseTimer) -> tuple[O
     return OldPolicy(logp, topk_ids, c.weight, c.keep), metrics
 
 
-def _head_ids(cfg, old: OldPolicy, vocab: int) -> Tensor | None:
+def _head_ids(cfg: Config, old: OldPolicy, vocab: int) -> Tensor | None:
     """q for the KL (kl.q_source): pi_old's top-k, the whole vocabulary, none (a sampled
     estimator), or None for the anchor pass to take the anchor's own top-k."""
     source = kl.q_source(cfg.kl.estimator, cfg.kl.direction)
@@ -214,7 +129,7 @@ def _head_ids(cfg, old: OldPolicy, vocab: int) -> Tensor | None:
     return None if source == "anchor" else old.topk_ids[..., :0]
 
 
-def micro_batches(cfg, batch: Rollout, rows: Tensor) -> list[Tensor | None]:
+def micro_batches(cfg: Config, batch: Rollout, rows: Tensor) -> list[Tensor | None]:
     """`rows` split for forward/backward: `algo.micro_batch_size` at a time, or packed in order
     up to `algo.micro_batch_tokens` (rows x their padded length). With several processes the
     list is padded with None up to the longest any rank has: under FSDP every rank must run
@@ -235,7 +150,7 @@ def micro_batches(cfg, batch: Rollout, rows: Tensor) -> list[Tensor | None]:
     return parts + [None] * (distributed.max_one(len(parts)) - len(parts))
 
 
-def each_micro_batch(cfg, batch: Rollout) -> Iterator[tuple[Tensor | None, Rollout, int]]:
+def each_micro_batch(cfg: Config, batch: Rollout) -> Iterator[tuple[Tensor | None, Rollout, int]]:
     """(rows, the micro-batch trimmed of padding, its response width) for every micro-batch of
     the whole batch; rows None: a padding pass on one row (`micro_batches`), its result dropped."""
     for rows in micro_batches(cfg, batch, torch.arange(len(batch.texts))):
@@ -283,7 +198,9 @@ def anchor_pass(
     return view
 
 
-def token_losses(cfg, model, part: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None):
+def token_losses(
+    cfg: Config, model, part: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None
+):
     """Per-token policy loss (`algo.loss`, times the rollout correction's weight), KL estimate
     (None without anchor), clip flags and log-ratio to pi_old (`algo.ratio_level`, no gradient) of
     a micro-batch. The ratio divides by pi_old; the KL's importance weight by mu, the
@@ -356,7 +273,7 @@ class _Stats:
 
 
 def update(
-    run, batch: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None, timer: PhaseTimer
+    run: Run, batch: Rollout, advantages: Tensor, old: OldPolicy, ref: AnchorView | None, timer: PhaseTimer
 ) -> dict:
     """PPO epochs over minibatches, micro-batched; an EMA counting optimiser steps steps here.
     `run` is the trainer's Run: its cfg, model, state, optimizer, scheduler and anchor.
@@ -387,7 +304,7 @@ def update(
 
 
 def _backward(
-    cfg, model, batch, rows_mb, loss_mask, advantages, old, ref, stats: _Stats, first: bool
+    cfg: Config, model, batch, rows_mb, loss_mask, advantages, old, ref, stats: _Stats, first: bool
 ) -> float:
     """Forward and backward of one minibatch, micro-batch by micro-batch (the gradients add up to
     the minibatch's); returns its loss summed over processes, which every rank then agrees on."""
@@ -415,7 +332,7 @@ def _backward(
     return distributed.sum_one(float(minibatch_loss))
 
 
-def _optimizer_step(run, loss: float, stats: _Stats, timer: PhaseTimer) -> None:
+def _optimizer_step(run: Run, loss: float, stats: _Stats, timer: PhaseTimer) -> None:
     """Clip the gradient and step, unless loss or gradient is not finite (then weights, optimiser
     moments, scheduler and anchor stay as they were); an EMA counting optimiser steps steps here."""
     cfg, state = run.cfg, run.state

@@ -3,7 +3,7 @@ with its own weight-reload path), which samples what the trainer asks for, in or
 
 Started by the trainer on its host (`rollout.workers`), or on another with
 `emapg rollout-worker --address HOST:PORT --rank N` (`rollout.remote_workers`). It learns the
-run's config and the model's directory from the trainer's store, joins the link's group, builds
+run's sections (a WorkerSpec) and the model's directory from the trainer's store, joins the link's group, builds
 its engine and task, says ready, then serves messages until told to stop:
 
     weights     load the buckets that follow into the model, then into the engine
@@ -21,39 +21,49 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.utils import logging as hf_logging
 
 from emapg.errors import EmapgError
 from emapg.model.models import load_model_and_tokenizer, pin_cpu_kernels
-from emapg.rollout import eos_ids, make_engine
+from emapg.rollout import EngineNeeds, RolloutSettings, eos_ids, make_engine
 from emapg.rollout.multiturn import sample_examples
 from emapg.rollout.remote import link
-from emapg.tasks import make_task
-from emapg.training.config import build
+from emapg.tasks import TaskSettings, make_task
 
 JOIN_TIMEOUT_S = 600  # how long a worker tries to reach the trainer's store
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker is told of the run: the sections it builds its engine and task from."""
+
+    rollout: RolloutSettings
+    needs: EngineNeeds
+    task: TaskSettings
+    cache_dir: str  # the task's cache folder (warmstart.cache_dir)
+    dtype: str  # the model's (model.dtype)
+    chat_template: bool  # prompts through the tokenizer's chat template (model.chat_template)
+    device: str  # train.device ("auto": cuda where there is one)
+    pin_kernels: bool  # the built-in model: pin CPU kernels as the trainer does
 
 
 class Worker:
     """A worker's engine, model, task and the version of the weights it holds."""
 
-    def __init__(self, cfg, model_dir: str):
-        device = (
-            cfg.train.device if cfg.train.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        )
-        self.cfg = cfg
-        self.model, self.tokenizer = load_model_and_tokenizer(
-            model_dir, dtype=getattr(torch, cfg.model.dtype)
-        )
+    def __init__(self, spec: WorkerSpec, model_dir: str):
+        device = spec.device if spec.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        self.spec = spec
+        self.model, self.tokenizer = load_model_and_tokenizer(model_dir, dtype=getattr(torch, spec.dtype))
         # The hf engine samples with this model; any other engine holds its own copy of the
         # weights (vLLM), and this one only receives them: it stays in host memory.
-        self.model.to(device if cfg.rollout.engine == "hf" else "cpu").eval()
-        self.engine = make_engine(cfg, self.model, self.tokenizer, model_dir)
-        self.task = make_task(cfg)
+        self.model.to(device if spec.rollout.engine == "hf" else "cpu").eval()
+        self.engine = make_engine(spec.rollout, self.model, self.tokenizer, model_dir, spec.needs)
+        self.task = make_task(spec.task, spec.cache_dir)
         self.multi_turn = self.task.environment() is not None
         self.eos = eos_ids(self.model, self.tokenizer)
         self.version = None  # the trainer's name for the weights held (None: the initial ones)
@@ -74,7 +84,7 @@ class Worker:
             start = time.perf_counter()
             rollout = sample_examples(
                 self.engine, self.tokenizer, self.task, message["examples"], params,
-                chat_template=self.cfg.model.chat_template, eos=self.eos, rows=message["rows"],
+                chat_template=self.spec.chat_template, eos=self.eos, rows=message["rows"],
             )  # fmt: skip
             seconds = time.perf_counter() - start
             return {"rollout": rollout, "version": self.version, "seconds": seconds}
@@ -99,14 +109,14 @@ def serve(address: str, rank: int, threads: int = 0) -> None:
     try:
         for module in json.loads(store.get("modules")):  # what registers the run's task and engine
             importlib.import_module(module)
-        cfg = build(json.loads(store.get("config")))
-        if cfg.model.path == "builtin:tiny":
+        spec: WorkerSpec = pickle.loads(store.get("spec"))  # the trainer's own, on its host or this one
+        if spec.pin_kernels:
             pin_cpu_kernels()  # before the first kernel, as in the trainer
         if threads:
             torch.set_num_threads(threads)
         store.set(f"joined/{rank}", str(os.getpid()))
         pg = link.group(store, rank, size, link.GROUP_TIMEOUT_S)
-        worker = Worker(cfg, store.get("model_dir").decode())
+        worker = Worker(spec, store.get("model_dir").decode())
         sent = link.Sent()  # answers in flight: the worker reads on while the trainer is busy
         link.send(pg, {"kind": "ready", "id": None}, link.TRAINER, link.TO_TRAINER, sent)
         while (message := link.recv(pg, link.TRAINER, link.TO_WORKER))["kind"] != "stop":

@@ -15,6 +15,7 @@ steps, so the last one is whole and `emapg train --resume` continues from it.
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from collections.abc import Hashable, Sequence
 from contextlib import contextmanager, suppress
@@ -29,10 +30,10 @@ from emapg.rollout.remote import link, worker
 from emapg.tasks import TASKS
 
 
-def user_modules(cfg) -> list[str]:
+def user_modules(spec: worker.WorkerSpec) -> list[str]:
     """Modules outside emapg that registered the run's task or engine: a worker imports them
-    before it reads the config (a local worker has the trainer's sys.path)."""
-    found = {TASKS[cfg.task.name].factory.__module__, ENGINES[cfg.rollout.engine].factory.__module__}
+    before it reads its spec (a local worker has the trainer's sys.path)."""
+    found = {TASKS[spec.task.name].factory.__module__, ENGINES[spec.rollout.engine].factory.__module__}
     return sorted(m for m in found if m != "__main__" and not m.startswith("emapg."))
 
 
@@ -42,17 +43,17 @@ STOP_S = 30  # seconds a worker is given to read its stop, and a local one to ex
 class RolloutWorkers:
     """The trainer's handle on its rollout workers (see the module doc)."""
 
-    def __init__(self, cfg, model_dir: str):
-        r = cfg.rollout
+    def __init__(self, spec: worker.WorkerSpec, model_dir: str):
+        r = spec.rollout
         self.ranks = list(range(1, 1 + r.workers + r.remote_workers))
         self.store = link.serve_store(r.address, len(self.ranks) + 1, r.worker_timeout_s)
         host = link.split_address(r.address)[0]
         self.address = f"{host}:{self.store.port}"
         for key, value in (
             ("size", str(len(self.ranks) + 1)),
-            ("config", json.dumps(cfg.model_dump())),
+            ("spec", pickle.dumps(spec)),
             ("model_dir", model_dir),
-            ("modules", json.dumps(user_modules(cfg))),
+            ("modules", json.dumps(user_modules(spec))),
         ):
             self.store.set(key, value)
         spawn = mp.get_context("spawn")  # a fresh interpreter: no fork of the trainer's threads

@@ -16,7 +16,7 @@ from pydantic import model_validator
 
 from emapg.errors import EmapgError
 from emapg.settings import Float, check, exists, setting, validated
-from emapg.tasks.base import Example, ProblemSettings, Task, WarmStartRecipe
+from emapg.tasks.base import Example, ProblemSettings, Task, TaskInputs, WarmStartRecipe
 from emapg.tasks.search import world as synthetic
 from emapg.tasks.search.answers import ANSWER, INFORMATION, INVALID_ACTION, exact_match, f1, last_tag
 from emapg.tasks.search.environment import SearchEnvironment, information_block
@@ -231,11 +231,11 @@ class SearchTask(Task):
         return out
 
 
-def from_config(cfg) -> SearchTask:
-    """The search task of a Config: parquet data with the given corpus/server, or the built-in world."""
+def from_config(inputs: TaskInputs) -> SearchTask:
+    """The search task of a `task` section: parquet data with the given corpus/server, or the built-in world."""
     from emapg.tasks.search.retriever import make_retriever
 
-    t = cfg.task
+    t = inputs.task
     episodes = {
         "topk": t.topk,
         "max_turns": t.max_turns,
@@ -256,10 +256,7 @@ def from_config(cfg) -> SearchTask:
     random.Random(f"search-split-{t.seed}").shuffle(rows)
     if t.num_eval >= len(rows):
         raise EmapgError(f"task.num_eval={t.num_eval}: the built-in world has only {len(rows)} questions")
-    where = (
-        Path(cfg.warmstart.cache_dir).expanduser()
-        / f"search-world-{t.seed}-{t.world_people}-{t.world_cities}"
-    )
+    where = inputs.cache_dir / f"search-world-{t.seed}-{t.world_people}-{t.world_cities}"
     corpus = synthetic.write_corpus(world, where / "corpus.jsonl")
     retriever = make_retriever(
         str(corpus), t.url, t.max_queries_per_request, t.max_query_chars, t.busy_timeout_s

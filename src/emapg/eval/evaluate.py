@@ -45,6 +45,11 @@ class EvalSettings(Section):
         "k3 per token on the evaluation's responses at eval.temperature",
     )
 
+    @property
+    def samples_per_problem(self) -> int:
+        """Responses evaluated per problem: eval.samples, or one greedy response."""
+        return 1 if self.greedy else self.samples
+
     @model_validator(mode="after")
     def _kl_needs_samples(self):
         existing_paths(self.datasets, "eval.datasets")

@@ -6,7 +6,7 @@
 Then `task.name=my_task task.level=3` sets and validates the task's own settings (MySettings,
 a subclass of TaskSettings or ProblemSettings). A factory takes a `TaskInputs` (the `task`
 section and a cache folder) and returns an `emapg.tasks.base.Task`. `warm_start` (optional) gives the built-in tiny model's warm start for
-the task (an `emapg.training.sft.WarmStartRecipe`; default: its training examples).
+the task (an `emapg.tasks.base.WarmStartRecipe`; default: its training examples).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, *, anchor:
         ) as scorer:
             got = held_out(
                 engine, tokenizer, task, task.eval_examples(), scorer, eval_params(cfg),
-                samples=1 if cfg.eval.greedy else cfg.eval.samples, chat_template=cfg.model.chat_template,
+                samples=cfg.eval.samples_per_problem, chat_template=cfg.model.chat_template,
                 eos=eos_ids(model, tokenizer),
             )  # fmt: skip
     finally:
@@ -93,7 +93,7 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, *, anchor:
         "weights": "anchor" if anchor else "policy",
         "accuracy": got.accuracy,
         "problems": len(task.eval_examples()),
-        "samples_per_problem": 1 if cfg.eval.greedy else cfg.eval.samples,
+        "samples_per_problem": cfg.eval.samples_per_problem,
     }
 
 

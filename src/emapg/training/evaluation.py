@@ -70,7 +70,7 @@ def _held_out(run: Run) -> HeldOut:
     cfg = run.cfg
     return held_out(
         run.engine, run.tokenizer, run.task, run.eval_examples, run.scorer, eval_params(cfg),
-        samples=1 if cfg.eval.greedy else cfg.eval.samples, chat_template=cfg.model.chat_template, eos=run.eos,
+        samples=cfg.eval.samples_per_problem, chat_template=cfg.model.chat_template, eos=run.eos,
     )  # fmt: skip
 
 
@@ -108,7 +108,7 @@ def evaluate(run: Run, step: int) -> tuple[float, dict]:
     real = got.real  # this rank's rows that are not padding
     texts, rewards, mine = got.batch.texts[:real], got.scored.rewards[:real], got.examples[:real]
     if run.log:
-        n = 1 if cfg.eval.greedy else cfg.eval.samples
+        n = cfg.eval.samples_per_problem
         run.log.log_samples(
             step,
             [
@@ -135,7 +135,7 @@ def validate(run: Run, prefix: str) -> dict:
     if run.validation is None:
         return {}
     cfg, sets = run.cfg, run.validation
-    n = 1 if cfg.eval.greedy else cfg.eval.samples
+    n = cfg.eval.samples_per_problem
     out = {}
     for name, examples in sets.examples.items():
         got = held_out(

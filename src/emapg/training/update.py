@@ -150,11 +150,16 @@ def micro_batches(cfg: Config, batch: Rollout, rows: Tensor) -> list[Tensor | No
     return parts + [None] * (distributed.max_one(len(parts)) - len(parts))
 
 
+def rows_run(rows: Tensor | None) -> Tensor:
+    """The rows a micro-batch's pass runs on: a padding pass (None) runs on row 0."""
+    return torch.arange(1) if rows is None else rows
+
+
 def each_micro_batch(cfg: Config, batch: Rollout) -> Iterator[tuple[Tensor | None, Rollout, int]]:
     """(rows, the micro-batch trimmed of padding, its response width) for every micro-batch of
     the whole batch; rows None: a padding pass on one row (`micro_batches`), its result dropped."""
     for rows in micro_batches(cfg, batch, torch.arange(len(batch.texts))):
-        part = batch.select(torch.arange(1) if rows is None else rows).trimmed()
+        part = batch.select(rows_run(rows)).trimmed()
         yield rows, part, part.response_mask.shape[1]
 
 
@@ -174,7 +179,7 @@ def anchor_pass(
     )
     with anchor.active() as ref_model:  # LoRA: the anchor adapter (or none) is active meanwhile
         for rows, part, w in each_micro_batch(cfg, batch):
-            idx = torch.arange(1) if rows is None else rows
+            idx = rows_run(rows)
             if head_ids is None:  # forward top-k: q is the anchor's own top-k
                 s = response_summary(
                     ref_model, part, tokens[idx, :w], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
@@ -317,7 +322,7 @@ def _backward(
     minibatch_loss = 0.0  # a float64 tensor on the loss's device once added to
     for rows in micro_batches(cfg, batch, rows_mb):
         weight = 0.0 if rows is None else 1.0  # a padding pass: the collectives, no gradient
-        rows = torch.arange(1) if rows is None else rows
+        rows = rows_run(rows)
         part = batch.select(rows).trimmed()
         w = part.response_mask.shape[1]
         part_ref = None if ref is None else ref.select(rows, w)

@@ -23,7 +23,7 @@ def information_block(docs: list[dict]) -> str:
 
 
 class SearchEnvironment:
-    """One batch of search episodes (the `emapg.rollout.multiturn.Environment` protocol)."""
+    """One batch of search episodes (the `emapg.tasks.base.Environment` protocol)."""
 
     stop = tuple(STOP)
 

@@ -236,28 +236,26 @@ def _serve_retriever(args) -> None:
         server.server_close()
 
 
+def _add_import_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """`--import MODULE`, repeatable: declared here once for every subcommand that takes it, each
+    with its own help (what the imported module is for there)."""
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE", help=help)
+
+
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config, --import and key=value overrides: how train and sft name a run's config."""
     parser.add_argument("--config", help="YAML config file or shipped config name (default: quickstart)")
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import a module (a name, or path/to/file.py) first: its register_task calls add tasks",
+    _add_import_argument(
+        parser, "import a module (a name, or path/to/file.py) first: its register_task calls add tasks"
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The command line; every field's help goes into `emapg train --help` (built only when the
-    command is train: it imports every part's settings)."""
-    from emapg.tasks.search.server import MAX_PENDING, MAX_QUERIES, MAX_QUERY_CHARS
-
-    parser = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_train_parser(sub, field_help: bool) -> None:
+    """`emapg train`. With `field_help` every config field's help goes into its epilog; only then,
+    as building that text imports every part's settings."""
     fields = ""
-    if command == "train":
+    if field_help:
         from emapg.training.config_reference import help_text
 
         fields = help_text()
@@ -278,6 +276,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
     )
     train.set_defaults(func=_train)
+
+
+def _add_rollout_worker_parser(sub) -> None:
+    """`emapg rollout-worker`: one async run's remote rollout worker."""
     worker = sub.add_parser(
         "rollout-worker",
         help="serve as an async run's rollout worker, on this host or another (docs/training.md)",
@@ -288,14 +290,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     worker.add_argument("--address", required=True, help="the trainer's rollout.address, HOST:PORT")
     worker.add_argument("--rank", type=int, required=True, help="this worker's rank (1 or more)")
     worker.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
-    worker.add_argument(
-        "--import", dest="imports", action="append", default=[], metavar="MODULE",
-        help="a module to import first (the run's task or engine, if a user's)",
-    )  # fmt: skip
+    _add_import_argument(worker, "a module to import first (the run's task or engine, if a user's)")
     worker.set_defaults(func=_rollout_worker)
+
+
+def _add_sft_parser(sub) -> None:
+    """`emapg sft`: the cached supervised warm start, without training."""
     sft = sub.add_parser("sft", help="build (or reuse) the cached supervised warm start of builtin:tiny")
     _add_config_arguments(sft)
     sft.set_defaults(func=_sft)
+
+
+def _add_eval_parser(sub) -> None:
+    """`emapg eval`: its two modes' options (--run, or --model with --data and --protocol), then
+    the options that override the protocol's values, then --out."""
     ev = sub.add_parser(
         "eval",
         help="math accuracy and pass@k of a model on problem files (--model, --data), or a run's "
@@ -313,10 +321,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ev.add_argument(
         "--anchor", action="store_true", help="with --run: the anchor's weights, not the policy's"
     )
-    ev.add_argument(
-        "--import", dest="imports", action="append", default=[], metavar="MODULE",
-        help="with --run: a module to import first (the run's task, if a user's)",
-    )  # fmt: skip
+    _add_import_argument(ev, "with --run: a module to import first (the run's task, if a user's)")
     ev.add_argument(
         "--model", help="local model directory (safetensors, with tokenizer), a .gguf file, or smollm2"
     )
@@ -332,6 +337,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "tokens, seed 429; avg@n, pass@k) or paper-search (Search-R1 parquet: greedy, top-3 passages, "
         "4 rounds; EM, F1); an option given overrides the protocol's value",
     )  # fmt: skip
+    _add_eval_override_arguments(ev)
+    ev.add_argument(
+        "--out",
+        help="directory for results.json (and responses.jsonl); default: runs/eval with --model, "
+        "RUN/eval/step_N[-anchor] with --run",
+    )
+    ev.set_defaults(func=_eval)
+
+
+def _add_eval_override_arguments(ev: argparse.ArgumentParser) -> None:
+    """eval's sampling, engine and task options: each one given overrides --protocol's value
+    (`_eval` reads them by name); --no-progress sits among them in --help."""
     ev.add_argument("--n", type=int, help="samples per problem")
     ev.add_argument("--temperature", type=float, help="sampling temperature")
     ev.add_argument("--top-p", type=float, help="nucleus sampling")
@@ -357,12 +374,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ev.add_argument("--corpus", help="search: a jsonl corpus to index with BM25 (instead of --retriever-url)")
     ev.add_argument("--topk", type=int, help="search: passages per search (3)")
     ev.add_argument("--max-turns", type=int, help="search: rounds with the retriever (4)")
-    ev.add_argument(
-        "--out",
-        help="directory for results.json (and responses.jsonl); default: runs/eval with --model, "
-        "RUN/eval/step_N[-anchor] with --run",
-    )
-    ev.set_defaults(func=_eval)
+
+
+def _add_export_parser(sub) -> None:
+    """`emapg export`: a checkpoint as a Hugging Face folder."""
     exp = sub.add_parser(
         "export",
         help="a run's checkpoint (policy, or --anchor its anchor) as a Hugging Face folder",
@@ -375,6 +390,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     exp.add_argument("--anchor", action="store_true", help="the anchor's weights, not the policy's")
     exp.add_argument("--out", required=True, help="the folder to write (new, or empty)")
     exp.set_defaults(func=_export)
+
+
+def _add_report_parser(sub) -> None:
+    """`emapg report`: learning curves and a table over runs."""
     rep = sub.add_parser(
         "report", help="learning curves of runs on shared axes (seeds grouped) and a table of final figures"
     )
@@ -383,6 +402,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     rep.add_argument("--threshold", type=float, help="also report the first step eval/accuracy reaches this")
     rep.add_argument("--smooth", type=int, default=5, help="trailing mean over this many steps (not eval)")
     rep.set_defaults(func=_report)
+
+
+def _add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
+    """The dense encoder's options, shared by build-index and serve-retriever (read back by
+    `_encoder_settings`)."""
+    parser.add_argument(
+        "--encoder", help="dense: a local Hugging Face encoder folder (e5-base-v2 in the paper)"
+    )
+    parser.add_argument("--query-prefix", help="dense: prepended to each query (e5: 'query: ')")
+    parser.add_argument("--passage-prefix", help="dense: prepended to each passage (e5: 'passage: ')")
+    parser.add_argument("--pooling", choices=["mean", "cls"], help="dense: token pooling (e5: mean)")
+    parser.add_argument("--max-length", type=int, help="dense: tokens per text (256)")
+    parser.add_argument("--batch-size", type=int, help="dense: texts per encoder call (64)")
+
+
+def _add_build_index_parser(sub) -> None:
+    """`emapg build-index`: a BM25 or dense index of a corpus."""
     idx = sub.add_parser(
         "build-index", help="index a jsonl corpus for retrieval: BM25, or dense with --dense (docs/search.md)"
     )
@@ -401,6 +437,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--shard-docs", type=int, default=50_000, help="dense: passages per saved shard (resume unit)"
     )
     idx.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_encoder_arguments(idx)
+    idx.set_defaults(func=_build_index)
+
+
+def _add_serve_retriever_parser(sub) -> None:
+    """`emapg serve-retriever`: a corpus's BM25 or dense index over HTTP."""
+    from emapg.tasks.search.server import MAX_PENDING, MAX_QUERIES, MAX_QUERY_CHARS
+
     srv = sub.add_parser(
         "serve-retriever",
         help="serve BM25 (or a dense index with --dense) over a jsonl corpus at POST /retrieve (Search-R1's format)",
@@ -442,17 +486,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="BM25: processes that search, so concurrent requests use every core (default: one per "
         "usable core, at most --max-pending; 1: this process's threads only)",
     )
-    for p in (idx, srv):
-        p.add_argument(
-            "--encoder", help="dense: a local Hugging Face encoder folder (e5-base-v2 in the paper)"
-        )
-        p.add_argument("--query-prefix", help="dense: prepended to each query (e5: 'query: ')")
-        p.add_argument("--passage-prefix", help="dense: prepended to each passage (e5: 'passage: ')")
-        p.add_argument("--pooling", choices=["mean", "cls"], help="dense: token pooling (e5: mean)")
-        p.add_argument("--max-length", type=int, help="dense: tokens per text (256)")
-        p.add_argument("--batch-size", type=int, help="dense: texts per encoder call (64)")
-    idx.set_defaults(func=_build_index)
+    _add_encoder_arguments(srv)
     srv.set_defaults(func=_serve_retriever)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; every field's help goes into `emapg train --help` (built only when the
+    command is train: it imports every part's settings)."""
+    parser = argparse.ArgumentParser(prog="emapg", description="EMA Policy Gradient for language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train_parser(sub, field_help=command == "train")
+    _add_rollout_worker_parser(sub)
+    _add_sft_parser(sub)
+    _add_eval_parser(sub)
+    _add_export_parser(sub)
+    _add_report_parser(sub)
+    _add_build_index_parser(sub)
+    _add_serve_retriever_parser(sub)
     return parser
 
 

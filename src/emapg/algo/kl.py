@@ -253,26 +253,17 @@ def _check_logits(name: str, x: Tensor) -> None:
         raise EmapgError(f"token_kl: {name} has non-finite values (nan or inf)")
 
 
-def token_kl(
+def _check_token_kl_inputs(
     logits: Tensor,
     ref_logits: Tensor,
     tokens: Tensor,
-    *,
-    estimator: str = "topk",
-    direction: str = "reverse",
-    k: int = 32,
-    tail: bool = True,
-    sampling_logp: Tensor | None = None,
-    iw_clip: tuple[float | None, float | None] | None = None,
-) -> Tensor:
-    """Per-token KL estimate [..., T] from full logits [..., T, V]; gradients reach `logits` only.
-
-    estimator: one of ESTIMATORS. For "topk" in the reverse direction the top-k set is taken
-    from `sampling_logp`'s distribution when given, else from `logits` (detached); in the
-    forward direction from `ref_logits`. `tail=False` drops the sampled tail (= "truncated").
-    sampling_logp: full logits or log-probs [..., T, V] of the policy that sampled `tokens`;
-    it supplies the importance weight s (none when absent: on-policy).
-    """
+    estimator: str,
+    direction: str,
+    k: int,
+    sampling_logp: Tensor | None,
+) -> None:
+    """Raise EmapgError unless `token_kl`'s inputs agree in shape and hold usable values: token
+    ids in the vocabulary, finite logits, no nan or +inf in sampling_logp."""
     check_estimator(estimator, direction)
     if logits.dim() < 2 or logits.shape != ref_logits.shape:
         raise EmapgError(
@@ -299,6 +290,29 @@ def token_kl(
     ):
         raise EmapgError("token_kl: sampling_logp has nan or +inf values")
 
+
+def token_kl(
+    logits: Tensor,
+    ref_logits: Tensor,
+    tokens: Tensor,
+    *,
+    estimator: str = "topk",
+    direction: str = "reverse",
+    k: int = 32,
+    tail: bool = True,
+    sampling_logp: Tensor | None = None,
+    iw_clip: tuple[float | None, float | None] | None = None,
+) -> Tensor:
+    """Per-token KL estimate [..., T] from full logits [..., T, V]; gradients reach `logits` only.
+
+    estimator: one of ESTIMATORS. For "topk" in the reverse direction the top-k set is taken
+    from `sampling_logp`'s distribution when given, else from `logits` (detached); in the
+    forward direction from `ref_logits`. `tail=False` drops the sampled tail (= "truncated").
+    sampling_logp: full logits or log-probs [..., T, V] of the policy that sampled `tokens`;
+    it supplies the importance weight s (none when absent: on-policy).
+    """
+    _check_token_kl_inputs(logits, ref_logits, tokens, estimator, direction, k, sampling_logp)
+    vocab = logits.shape[-1]
     logp_all = torch.log_softmax(_wide(logits), dim=-1)
     ref_all = torch.log_softmax(_wide(ref_logits.detach()), dim=-1)
     index = tokens.long().unsqueeze(-1)

@@ -72,21 +72,7 @@ def run_episodes(
         if not active:
             engine.sample([list(prompt_ids[0])], replace(turn_params, max_new_tokens=1), rows=[rows[0]])
             continue
-        budget = [int(min(params.max_new_tokens, episodes.room(i))) for i in active]
-        out = engine.sample(
-            [list(prompt_ids[i]) + episodes.rows[i].ids for i in active],
-            replace(turn_params, max_new_tokens=max(budget)),
-            rows=[rows[i] for i in active],
-        )
-        answering, turns = [], []
-        for row, (i, limit) in enumerate(zip(active, budget, strict=True)):
-            new = episodes.add_turn(i, out, row, limit)
-            ended = bool(new) and new[-1] in eos
-            if episodes.room(i) <= 0:
-                episodes.rows[i].truncated = not ended  # no room left: the episode is cut
-            elif not ended:
-                answering.append(i)
-                turns.append(tokenizer.decode(new, skip_special_tokens=True))
+        answering, turns = _model_turn(engine, tokenizer, episodes, active, rows, turn_params, eos)
         replies = env.step(answering, turns) if answering else []
         active = [
             i
@@ -94,6 +80,35 @@ def run_episodes(
             if text is not None and episodes.insert(i, tokenizer(text, add_special_tokens=False)["input_ids"])
         ]
     return rollout_from_rows(episodes.rows, prompt_ids, tokenizer, params.topk)
+
+
+def _model_turn(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    episodes: _Episodes,
+    active: list[int],
+    rows: list[int],
+    params: SamplingParams,
+    eos: set[int],
+) -> tuple[list[int], list[str]]:
+    """One model turn of the `active` episodes, each capped at `params.max_new_tokens` and its
+    room left; returns the episodes that now wait for the environment, and their turns' text."""
+    budget = [int(min(params.max_new_tokens, episodes.room(i))) for i in active]
+    out = engine.sample(
+        [list(episodes.prompt_ids[i]) + episodes.rows[i].ids for i in active],
+        replace(params, max_new_tokens=max(budget)),
+        rows=[rows[i] for i in active],
+    )
+    answering, turns = [], []
+    for row, (i, limit) in enumerate(zip(active, budget, strict=True)):
+        new = episodes.add_turn(i, out, row, limit)
+        ended = bool(new) and new[-1] in eos
+        if episodes.room(i) <= 0:
+            episodes.rows[i].truncated = not ended  # no room left: the episode is cut
+        elif not ended:
+            answering.append(i)
+            turns.append(tokenizer.decode(new, skip_special_tokens=True))
+    return answering, turns
 
 
 class _Episodes:

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -127,26 +127,14 @@ def sft(
     if steps < 1 or batch_size < 1:
         raise EmapgError(f"sft: expected steps >= 1 and batch_size >= 1, got {steps}, {batch_size}")
     device = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(seed)
+    batches = _shuffled_batches(len(examples), batch_size, torch.Generator().manual_seed(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
-
-    def lr_factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        t = (step - warmup_steps) / max(1, steps - warmup_steps)
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    order = torch.randperm(len(examples), generator=gen)
-    pos = 0
+    sched = _lr_schedule(opt, steps, warmup_steps, min_lr_ratio)
     losses: list[float] = []
     model.train()
     bar = tqdm(range(steps), desc="sft", disable=not progress, dynamic_ncols=True)
     for step in bar:
-        if pos + batch_size > len(order):  # new epoch: reshuffle
-            order, pos = torch.randperm(len(examples), generator=gen), 0
-        idx = order[pos : pos + batch_size].tolist()
-        pos += batch_size
+        idx = next(batches)
         batch = {k: v.to(device) for k, v in sft_batch(tokenizer, [examples[i] for i in idx]).items()}
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
@@ -161,6 +149,31 @@ def sft(
     bar.close()
     model.eval()
     return losses
+
+
+def _shuffled_batches(n: int, batch_size: int, gen: torch.Generator) -> Iterator[list[int]]:
+    """Endless batches of `batch_size` indices into n examples, in seeded random order reshuffled
+    each epoch (an epoch's remainder too small for a batch is dropped)."""
+    order, pos = torch.randperm(n, generator=gen), 0
+    while True:
+        if pos + batch_size > len(order):  # new epoch: reshuffle
+            order, pos = torch.randperm(n, generator=gen), 0
+        yield order[pos : pos + batch_size].tolist()
+        pos += batch_size
+
+
+def _lr_schedule(
+    opt: torch.optim.Optimizer, steps: int, warmup_steps: int, min_lr_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over `warmup_steps`, then a cosine from lr down to `min_lr_ratio * lr` at `steps`."""
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        t = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
 
 def _default_max_new_tokens(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example]) -> int:
@@ -224,24 +237,10 @@ def warm_start(
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    if base is None:
-        tokenizer = build_tiny_tokenizer(**settings.get("tokenizer_kwargs", {}))
-        model = build_tiny_model(tokenizer, **model_kwargs)
-    else:
-        model, tokenizer = load_model_and_tokenizer(base)
-    val_history: list[tuple[int, float]] = []
-    with contextlib.ExitStack() as stack:
-        stop = None
-        if target_accuracy is not None:
-            examples, val = examples[:-num_val], examples[-num_val:]
-            scorer = stack.enter_context(RewardScorer(recipe.task, timeout_s=10.0))
-            stop = _accuracy_stop(model, tokenizer, recipe.task, val, scorer, target_accuracy, val_history)
-        losses = sft(model, tokenizer, examples, stop=stop, progress=progress, **sft_kwargs)
-    if progress and val_history:
-        tqdm.write(
-            f"warm start: {len(losses)} SFT steps, held-out sampled accuracy {val_history[-1][1]:.2f} "
-            f"(target {target_accuracy})"
-        )
+    model, tokenizer = _initial_model(base, settings, model_kwargs)
+    losses, val_history = _sft_to_target(
+        model, tokenizer, recipe.task, examples, sft_kwargs, target_accuracy, num_val, progress
+    )
     record = {
         **settings,
         "steps_run": len(losses),
@@ -252,6 +251,37 @@ def warm_start(
     }
     _publish(model, tokenizer, record, final)
     return final
+
+
+def _initial_model(base: str | None, settings: dict, model_kwargs: dict[str, Any]):
+    """The model and tokenizer the warm start trains: the tiny ones built from scratch (with the
+    tokenizer settings the cache key records), or those of the model folder `base`."""
+    if base is None:
+        tokenizer = build_tiny_tokenizer(**settings.get("tokenizer_kwargs", {}))
+        return build_tiny_model(tokenizer, **model_kwargs), tokenizer
+    return load_model_and_tokenizer(base)
+
+
+def _sft_to_target(
+    model, tokenizer, task, examples, sft_kwargs: dict, target_accuracy, num_val: int, progress: bool
+) -> tuple[list[float], list[tuple[int, float]]]:
+    """`sft` on `examples`, stopped once the sampled accuracy on their last `num_val` (held out
+    from SFT) reaches `target_accuracy` (None: all steps, no hold-out); returns the losses and
+    the accuracy checks as (step, accuracy)."""
+    val_history: list[tuple[int, float]] = []
+    with contextlib.ExitStack() as stack:
+        stop = None
+        if target_accuracy is not None:
+            examples, val = examples[:-num_val], examples[-num_val:]
+            scorer = stack.enter_context(RewardScorer(task, timeout_s=10.0))
+            stop = _accuracy_stop(model, tokenizer, task, val, scorer, target_accuracy, val_history)
+        losses = sft(model, tokenizer, examples, stop=stop, progress=progress, **sft_kwargs)
+    if progress and val_history:
+        tqdm.write(
+            f"warm start: {len(losses)} SFT steps, held-out sampled accuracy {val_history[-1][1]:.2f} "
+            f"(target {target_accuracy})"
+        )
+    return losses, val_history
 
 
 def _settings(recipe: WarmStartRecipe, model_kwargs, sft_kwargs, target_accuracy, num_val, base) -> dict:

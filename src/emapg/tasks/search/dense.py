@@ -193,6 +193,33 @@ def build_dense_index(corpus: str | Path, index_dir: str | Path, encoder_path: s
     vector_settings = {**asdict(settings), "batch_size": None, "fp16": fp16}
     key = {"format": DENSE_FORMAT, "encoder": _encoder_id(encoder_path), "settings": vector_settings,
            "shard_docs": shard_docs}  # fmt: skip
+    build = _start_build(corpus, index_dir, key)
+
+    docs = Documents(corpus, index_dir / "offsets.i64")
+    n = len(docs)
+    shards = [index_dir / "shards" / f"{s:05d}.npy" for s in range(math.ceil(n / shard_docs))]
+    _encode_shards(docs, shards, shard_docs, encoder_path, settings, progress)
+
+    dim = np.load(shards[0], mmap_mode="r").shape[1]
+    if index_type == "ivf":
+        nlist = min(n, nlist or max(1, round(4 * math.sqrt(n))))
+    index = _empty_index(faiss, index_type, dim, shards, n, nlist, hnsw_m)
+    for path in shards:  # one shard in memory beside the index
+        index.add(np.load(path))
+    faiss.write_index(index, str(index_dir / "index.faiss.tmp"))
+    (index_dir / "index.faiss.tmp").replace(index_dir / "index.faiss")
+    meta = {"format": DENSE_FORMAT, "corpus": {"path": str(corpus.resolve()), **build["corpus"]},
+            "encoder_path": str(encoder_path.resolve()), "encoder": build["encoder"],
+            "settings": asdict(settings), "index_type": index_type, "dim": int(dim), "num_docs": n,
+            "nlist": nlist if index_type == "ivf" else None,
+            "hnsw_m": hnsw_m if index_type == "hnsw" else None}  # fmt: skip
+    _save_json(index_dir / "meta.json", meta)  # last: its presence marks a complete index
+    return meta
+
+
+def _start_build(corpus: Path, index_dir: Path, key: dict) -> dict:
+    """Resume the build in `index_dir` when its build.json matches `key` and the corpus, else
+    clear it and start over (offsets written anew); returns the build record, saved as build.json."""
     try:
         build = json.loads((index_dir / "build.json").read_text())
     except (OSError, ValueError):
@@ -209,10 +236,14 @@ def build_dense_index(corpus: str | Path, index_dir: str | Path, encoder_path: s
         build = {**key, "corpus": _write_offsets(corpus, index_dir)}
     (index_dir / "shards").mkdir(exist_ok=True)
     _save_json(index_dir / "build.json", build)  # the key of the shards written from here on
+    return build
 
-    docs, encoder = Documents(corpus, index_dir / "offsets.i64"), None
-    n = len(docs)
-    shards = [index_dir / "shards" / f"{s:05d}.npy" for s in range(math.ceil(n / shard_docs))]
+
+def _encode_shards(docs: Documents, shards: list[Path], shard_docs: int, encoder_path: Path,
+                   settings: EncoderSettings, progress: bool) -> None:  # fmt: skip
+    """Encode the passages of every shard not yet on disk, `shard_docs` to a shard; the encoder
+    is loaded only if one is missing."""
+    n, encoder = len(docs), None
     done = sum(min(shard_docs, n - s * shard_docs) for s, p in enumerate(shards) if p.exists())
     with tqdm(total=n, initial=done, unit="doc", desc="encoding", disable=not progress) as bar:
         for s, path in enumerate(shards):
@@ -231,29 +262,22 @@ def build_dense_index(corpus: str | Path, index_dir: str | Path, encoder_path: s
                 os.fsync(f.fileno())  # the data is on disk before the name says the shard is done
             tmp.replace(path)
 
-    dim = np.load(shards[0], mmap_mode="r").shape[1]
+
+def _empty_index(faiss, index_type: str, dim: int, shards: list[Path], n: int, nlist: int | None,
+                 hnsw_m: int):  # fmt: skip
+    """A FAISS inner-product index of `index_type`, trained where the type needs it (on a
+    sample of the shards' n vectors) and still without vectors."""
     if index_type == "flat":
-        index = faiss.IndexFlatIP(dim)
-    elif index_type == "sq8":  # one byte per dimension, a quarter of flat's memory
+        return faiss.IndexFlatIP(dim)
+    if index_type == "sq8":  # one byte per dimension, a quarter of flat's memory
         index = faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
         index.train(_sample(shards, n, min(n, 100_000)))  # each dimension's range
-    elif index_type == "hnsw":
-        index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
-    else:
-        nlist = min(n, nlist or max(1, round(4 * math.sqrt(n))))
-        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
-        index.train(_sample(shards, n, min(n, 64 * nlist)))  # FAISS asks for 39+ points per list
-    for path in shards:  # one shard in memory beside the index
-        index.add(np.load(path))
-    faiss.write_index(index, str(index_dir / "index.faiss.tmp"))
-    (index_dir / "index.faiss.tmp").replace(index_dir / "index.faiss")
-    meta = {"format": DENSE_FORMAT, "corpus": {"path": str(corpus.resolve()), **build["corpus"]},
-            "encoder_path": str(encoder_path.resolve()), "encoder": build["encoder"],
-            "settings": asdict(settings), "index_type": index_type, "dim": int(dim), "num_docs": n,
-            "nlist": nlist if index_type == "ivf" else None,
-            "hnsw_m": hnsw_m if index_type == "hnsw" else None}  # fmt: skip
-    _save_json(index_dir / "meta.json", meta)  # last: its presence marks a complete index
-    return meta
+        return index
+    if index_type == "hnsw":
+        return faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+    index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    index.train(_sample(shards, n, min(n, 64 * nlist)))  # FAISS asks for 39+ points per list
+    return index
 
 
 def _sample(shards: list[Path], n: int, size: int) -> np.ndarray:

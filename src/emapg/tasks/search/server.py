@@ -203,6 +203,93 @@ class _Workers:
             process.wait()
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One connection's requests to a `_Server`: POST /retrieve is admitted (or refused) and
+    answered; every other path or method, and every error, gets a JSON error."""
+
+    server: _Server
+
+    def do_POST(self):
+        if self.path != "/retrieve":
+            return self._send(404, {"error": f"no endpoint {self.path}; POST /retrieve"})
+        try:
+            length = int(self.headers.get("Content-Length") or -1)
+        except ValueError:
+            length = -1
+        if length < 0:
+            return self._send(400, {"error": "need a Content-Length header"})
+        srv = self.server
+        if length > srv.cap:
+            limits = _limits(srv.max_queries, srv.max_query_chars)
+            return self._send(413, {"error": f"body of {length} bytes; at most {srv.cap} ({limits})"})
+        if not srv.admitted.acquire(blocking=False):
+            self._drain(length)  # read, not parsed: the client then sees the 503, not a reset
+            return self._send(
+                503,
+                {"error": f"busy: {srv.max_pending} requests in progress (--max-pending); retry later"},
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
+        try:
+            self._send(*srv.respond(self.rfile.read(length)))
+        finally:
+            srv.admitted.release()
+
+    def do_GET(self):
+        if self.path != "/retrieve":
+            return self._send(404, {"error": f"no endpoint {self.path}; POST /retrieve"})
+        self._send(405, {"error": f"{self.command} /retrieve: use POST"}, {"Allow": "POST"})
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
+
+    def send_error(self, code, message=None, explain=None):  # the base class answers in HTML
+        self.close_connection = True
+        self._send(code, {"error": message or self.responses.get(code, ("",))[0]})
+
+    def _drain(self, length: int) -> None:
+        while length > 0 and (chunk := self.rfile.read(min(length, 1 << 16))):
+            length -= len(chunk)
+
+    def _send(self, code: int, payload: dict | bytes, headers: dict | None = None):
+        body = payload if isinstance(payload, bytes) else _json(payload)
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format, *args):  # quiet: one line per request would flood a training log
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    """The HTTP server of one retriever and its limits; `pool`, once set, is the worker processes
+    that search in its place (closed with the server)."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: many trainer processes may connect at once
+
+    def __init__(self, address, retriever, max_queries: int, max_query_chars: int, max_pending: int):
+        self.retriever, self.max_queries, self.max_query_chars = retriever, max_queries, max_query_chars
+        self.max_pending, self.cap = max_pending, body_cap(max_queries, max_query_chars)
+        self.admitted = threading.BoundedSemaphore(max_pending)
+        self.pool: _Workers | None = None  # started once the port is ours
+        super().__init__(address, _Handler)
+
+    def respond(self, body: bytes) -> tuple[int, bytes]:
+        """The status and JSON body answering `body`: from a worker process, or from this one."""
+        if self.pool:
+            return self.pool(body)
+        return answer(self.retriever, body, self.max_queries, self.max_query_chars)
+
+    def server_close(self):
+        super().server_close()
+        if self.pool:
+            self.pool.close()
+
+
 def make_server(
     retriever: BM25Retriever,
     host: str = "127.0.0.1",
@@ -220,84 +307,10 @@ def make_server(
                         ("max_pending", max_pending), ("workers", workers)]:  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    cap = body_cap(max_queries, max_query_chars)
-    admitted = threading.BoundedSemaphore(max_pending)
-    pool: _Workers | None = None  # started once the port is ours
-
-    def respond(body: bytes) -> tuple[int, bytes]:
-        return pool(body) if pool else answer(retriever, body, max_queries, max_query_chars)
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            if self.path != "/retrieve":
-                return self._send(404, {"error": f"no endpoint {self.path}; POST /retrieve"})
-            try:
-                length = int(self.headers.get("Content-Length") or -1)
-            except ValueError:
-                length = -1
-            if length < 0:
-                return self._send(400, {"error": "need a Content-Length header"})
-            if length > cap:
-                return self._send(
-                    413,
-                    {
-                        "error": f"body of {length} bytes; at most {cap} ({_limits(max_queries, max_query_chars)})"
-                    },
-                )
-            if not admitted.acquire(blocking=False):
-                self._drain(length)  # read, not parsed: the client then sees the 503, not a reset
-                return self._send(
-                    503,
-                    {"error": f"busy: {max_pending} requests in progress (--max-pending); retry later"},
-                    {"Retry-After": str(RETRY_AFTER_S)},
-                )
-            try:
-                self._send(*respond(self.rfile.read(length)))
-            finally:
-                admitted.release()
-
-        def do_GET(self):
-            if self.path != "/retrieve":
-                return self._send(404, {"error": f"no endpoint {self.path}; POST /retrieve"})
-            self._send(405, {"error": f"{self.command} /retrieve: use POST"}, {"Allow": "POST"})
-
-        do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
-
-        def send_error(self, code, message=None, explain=None):  # the base class answers in HTML
-            self.close_connection = True
-            self._send(code, {"error": message or self.responses.get(code, ("",))[0]})
-
-        def _drain(self, length: int) -> None:
-            while length > 0 and (chunk := self.rfile.read(min(length, 1 << 16))):
-                length -= len(chunk)
-
-        def _send(self, code: int, payload: dict | bytes, headers: dict | None = None):
-            body = payload if isinstance(payload, bytes) else _json(payload)
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def log_message(self, format, *args):  # quiet: one line per request would flood a training log
-            pass
-
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
-        request_queue_size = 128  # the listen backlog: many trainer processes may connect at once
-
-        def server_close(self):
-            super().server_close()
-            if pool:
-                pool.close()
-
-    server = Server((host, port), Handler)
+    server = _Server((host, port), retriever, max_queries, max_query_chars, max_pending)
     server.workers = workers
     try:
-        pool = _Workers(retriever, workers, max_queries, max_query_chars) if workers > 1 else None
+        server.pool = _Workers(retriever, workers, max_queries, max_query_chars) if workers > 1 else None
     except BaseException:
         server.server_close()
         raise

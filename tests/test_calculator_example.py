@@ -57,7 +57,7 @@ def test_demonstrations_mask_the_inserted_result_and_score_the_answer_after_it(c
 
 
 def test_the_readme_command_trains_with_the_tasks_own_settings(calculator, tmp_path, tiny_model_dir, capsys):
-    from test_trainer import FAST
+    from helpers import FAST
 
     args = [f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", *FAST, "rollout.max_new_tokens=24",
             "train.steps=1", "train.name=calc", "task.num_train=32", "task.num_eval=4", "task.max_calls=1"]  # fmt: skip

@@ -31,6 +31,7 @@ def test_the_page_shows_the_shipped_files():
     assert f"({counts[0]} training and {counts[1]} evaluation records)" in PAGE
 
 
+@pytest.mark.slow
 def test_the_example_command_runs_and_prints_and_logs_what_the_page_says(tmp_path, monkeypatch, capsys):
     (command,) = [
         line for b in blocks("bash") for line in b.splitlines() if "custom_task/config.yaml" in line
@@ -96,10 +97,11 @@ def test_the_page_shows_the_shipped_task_with_its_own_settings():
     assert (EXAMPLE / "sums.py").read_text() in blocks("python")
 
 
+@pytest.mark.slow
 def test_a_task_with_its_own_settings_is_set_from_the_command_line_and_trains(
     sums_commands, tmp_path, tiny_model_dir, capsys
 ):
-    from test_trainer import FAST
+    from helpers import FAST
 
     train, _ = sums_commands
     assert train[:2] == ["emapg", "train"] and "task.terms=3" in train

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import SEARCH_ARGS, torchrun
 from emapg import cli
 from emapg.errors import EmapgError
 from emapg.model.models import build_tiny_model, build_tiny_tokenizer
@@ -25,6 +24,7 @@ from emapg.tasks.arithmetic import ArithmeticTask
 from emapg.tasks.search.task import TINY_EXTRA_CHARS
 from emapg.training.config import load_config
 from emapg.training.sft import sft
+from helpers import SEARCH_ARGS, torchrun
 
 ETA, PERIOD, STEPS = 0.5, 2, 4
 TASK = ["task.num_train=40", "task.num_eval=5", "task.min_digits=1", "task.max_digits=1"]
@@ -93,6 +93,7 @@ def _close(a, b, what):
         assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), (what, k, float((a[k] - b[k]).abs().max()))
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process(model_dir, two, tmp_path):
     assert cli.main(["train", *_args(model_dir, tmp_path, f"train.steps={STEPS}")]) == 0
     one_records, two_records = _records(tmp_path), _records(two)
@@ -107,6 +108,7 @@ def test_two_processes_equal_one_process(model_dir, two, tmp_path):
     _close(anchor, _sharded(two, STEPS, tmp_path)["anchor"], "anchor")
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_and_batch_statistics_in_two_processes_equal_one_process(model_dir, tmp_path):
     """Dynamic sampling chooses on the whole round's rewards and hands every rank its slice of the
     kept groups, and reinforce_pp whitens over the whole batch: 2 processes run what 1 does."""
@@ -125,6 +127,7 @@ def test_dynamic_sampling_and_batch_statistics_in_two_processes_equal_one_proces
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_sharded_ema_anchor_equals_the_formula_on_gathered_weights(model_dir, two, tmp_path):
     """anchor <- eta * anchor + (1 - eta) * policy after optimiser steps 2 and 4, from the initial
     policy; every other step leaves it as it was. Policies are the gathered HF exports."""
@@ -136,6 +139,7 @@ def test_sharded_ema_anchor_equals_the_formula_on_gathered_weights(model_dir, tw
         _close(want, _sharded(two, step, tmp_path)["anchor"], f"anchor at step {step}")
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_in_two_processes(model_dir, two, tmp_path):
     """The run stopped after step 2: its files as they were then (later checkpoints gone, the
     metrics file as long; --resume truncates it), resumed by 2 processes to step 4."""
@@ -152,6 +156,7 @@ def test_sharded_checkpoint_resumes_in_two_processes(model_dir, two, tmp_path):
             assert torch.equal(got, straight[part][name]), (part, name)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_does_not_resume_in_one_process(model_dir, two, capsys):
     assert cli.main(["train", "--resume", *_args(model_dir, two)]) == 2
     err = capsys.readouterr().err.strip()
@@ -189,6 +194,7 @@ def search_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_search_in_two_processes_equals_one_process(search_model_dir, tmp_path):
     """Multi-turn episodes end after different numbers of turns (prompts of 22 and 34 characters
     under an 80-token context cap, EOS): a rank whose episodes are all done runs padding turns

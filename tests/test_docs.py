@@ -30,6 +30,7 @@ def test_configuration_reference_is_up_to_date():
     )
 
 
+@pytest.mark.slow
 def test_regenerate_command_prints_the_reference():
     env = {
         **os.environ,
@@ -94,8 +95,9 @@ def test_readme_quick_start():
     assert "eval/accuracy A% before training -> B% after (+C points); run: runs/quickstart" in readme
 
 
+# Time limit: the longest run, the TRL example's, measured 111 s at load 3-4; x6 (then rounded up).
 def _run(
-    cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 600
+    cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 720
 ) -> subprocess.CompletedProcess:
     environ = {
         **os.environ,
@@ -106,6 +108,7 @@ def _run(
     )
 
 
+@pytest.mark.slow
 def test_readme_custom_rewards_command_runs_as_written(tmp_path):
     """The README's `task.reward_fns=[my_rewards:exact]`: a module in the current directory, as
     `python -m` finds one (it failed with "cannot import 'my_rewards'")."""
@@ -127,6 +130,7 @@ def test_readme_custom_rewards_command_runs_as_written(tmp_path):
     assert "run: runs/quickstart" in done.stdout
 
 
+@pytest.mark.slow
 def test_trl_doc_example_runs_as_written(smollm2, tmp_path):
     """docs/trl.md's example, as written (it failed on 'path/to/local/model'); the converted
     SmolLM2 of this session is reached through the default cache of a temporary HOME."""

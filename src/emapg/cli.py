@@ -96,11 +96,11 @@ def _eval(args) -> None:
     from emapg.settings import validated
 
     if args.protocol == "paper-search":
-        from emapg import search_eval as protocol
+        from emapg.eval import search as protocol
 
         settings_class = protocol.SearchEvalSettings
     else:
-        from emapg import math_eval as protocol
+        from emapg.eval import math as protocol
 
         settings_class = protocol.MathEvalSettings
     names = ["n", "temperature", "top_p", "max_new_tokens", "batch_size", "seed", "engine", "dtype",

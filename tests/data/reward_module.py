@@ -1,4 +1,4 @@
-"""Reward functions used by tests/test_dataset_task.py (imported by path and by module name)."""
+"""Reward functions used by tests/tasks/test_dataset.py (imported by path and by module name)."""
 
 import time
 

@@ -96,7 +96,7 @@ def pilot(args: argparse.Namespace, base_lr: float) -> str:
     )
 
 
-def curve_table(results: dict[str, list[dict]], runs: dict[str, list]) -> str:
+def curve_table(runs: dict[str, list]) -> str:
     """Held-out accuracy at every evaluation, mean ± std over seeds (the anchor's beside it)."""
     steps = sorted(next(iter(runs.values()))[0].series["eval/accuracy"])
     lines = ["| cell | " + " | ".join(f"step {s}" for s in steps) + " |", "|" + "---|" * (1 + len(steps))]
@@ -160,7 +160,7 @@ def grid(args: argparse.Namespace, base_lr: float, steps: int) -> str:
         f" `benchmarks/{args.png.name}`.\n\n"
         + table(results)
         + "\n### Held-out accuracy at each evaluation\n\n"
-        + curve_table(results, runs)
+        + curve_table(runs)
         + "\n### Paired by seed (final accuracy)\n\n"
         + paired(results, pairs)
     )

@@ -8,6 +8,7 @@ import torch
 import yaml
 
 from emapg.training.config import CONFIG_DIR, load_config
+from helpers import placeholders
 
 PAPER = sorted((CONFIG_DIR / "paper").glob("*.yaml"))
 ROW = re.compile(r"^# \|(?P<cells>.*)\|\s*$")
@@ -27,22 +28,6 @@ def mapped(path) -> list[tuple[str, str]]:
         if table == 0 and len(cells) == 4 and "." in cells[2] and not cells[3].startswith("("):
             rows.append((cells[2], cells[3]))
     return rows
-
-
-def placeholders(path, tmp_path) -> list[str]:
-    """Overrides that point every placeholder path at a file or directory that exists."""
-    data = yaml.safe_load(path.read_text())
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (tmp_path / "data.jsonl").write_text("")
-    out = [f"model.path={model}"]
-    for section, values in data.items():
-        for key, value in values.items():
-            if isinstance(value, str) and value.startswith("/path/to/") and key != "path":
-                out.append(f"{section}.{key}={tmp_path / 'data.jsonl'}")
-            if isinstance(value, list) and any(str(v).startswith("/path/to/") for v in value):
-                out.append(f"{section}.{key}=[{tmp_path / 'data.jsonl'}]")
-    return out
 
 
 def test_there_are_the_papers_two_recipes():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import yaml
@@ -104,11 +105,22 @@ def last_checkpoint(cfg: Config, resume: bool) -> Path | None:
     return last[0]
 
 
-def task_and_scorers(cfg: Config) -> tuple[Task, RewardScorer, ValidationSets | None]:
+class TaskParts(NamedTuple):
+    """The task of a run, its examples (taken once), its guarded scorer and eval.datasets' sets."""
+
+    task: Task
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    scorer: RewardScorer
+    validation: ValidationSets | None
+
+
+def task_parts(cfg: Config) -> TaskParts:
     """The task (its examples checked), its guarded scorer, and eval.datasets' sets."""
     with distributed.main_first():  # rank 0 writes what a task caches (a corpus, its index) first
         task = make_task(cfg.task, cfg.warmstart.cache_dir)
-    if not task.eval_examples():
+    train_examples, eval_examples = task.train_examples(), task.eval_examples()
+    if not eval_examples:
         raise EmapgError(f"task {task.name!r} has no evaluation examples")
     scorer = RewardScorer(
         task,
@@ -117,7 +129,8 @@ def task_and_scorers(cfg: Config) -> tuple[Task, RewardScorer, ValidationSets | 
         hold_warning=cfg.train.steps > 0,  # until the first step's check_first_step
     )
     prompt = getattr(cfg.task, "prompt", "") or None  # a math task's own template, else the default
-    return task, scorer, ValidationSets.load(cfg.eval.datasets, prompt, cfg.task.reward_timeout_s)
+    validation = ValidationSets.load(cfg.eval.datasets, prompt, cfg.task.reward_timeout_s)
+    return TaskParts(task, train_examples, eval_examples, scorer, validation)
 
 
 def worker_spec(cfg: Config) -> WorkerSpec:
@@ -129,7 +142,7 @@ def worker_spec(cfg: Config) -> WorkerSpec:
     )  # fmt: skip
 
 
-def make_run(cfg: Config, task: Task, model, tokenizer, engine, scorer, validation, device) -> Run:
+def make_run(cfg: Config, parts: TaskParts, model, tokenizer, engine, device) -> Run:
     """The Run around a loaded policy: adapters, anchor, the drift reference, optimiser."""
     if cfg.lora.r:  # the base is frozen; the engine's model carries the adapters from here on
         model = lora.wrap(model, cfg.lora)
@@ -145,13 +158,12 @@ def make_run(cfg: Config, task: Task, model, tokenizer, engine, scorer, validati
         lr=cfg.lora.lr if cfg.lora.r else cfg.optim.lr,
         total_steps=cfg.train.steps * cfg.algo.epochs * cfg.algo.minibatches,
     )
-    train_examples = task.train_examples()
     return Run(
-        cfg=cfg, task=task, train_examples=train_examples, eval_examples=task.eval_examples(),
+        cfg=cfg, task=parts.task, train_examples=parts.train_examples, eval_examples=parts.eval_examples,
         model=model, tokenizer=tokenizer, eos=eos_ids(model, tokenizer),
-        vocab=model.get_output_embeddings().weight.shape[0], engine=engine, scorer=scorer,
-        anchor=anchor, initial=initial, validation=validation, optimizer=optimizer, scheduler=scheduler,
-        sampler=PromptSampler(train_examples, cfg.train.seed),
+        vocab=model.get_output_embeddings().weight.shape[0], engine=engine, scorer=parts.scorer,
+        anchor=anchor, initial=initial, validation=parts.validation, optimizer=optimizer,
+        scheduler=scheduler, sampler=PromptSampler(parts.train_examples, cfg.train.seed),
         run_dir=Path(cfg.train.output_dir) / cfg.train.name, log=None,
     )  # fmt: skip
 
@@ -166,17 +178,17 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
         lora.require_peft(cfg.lora.r)  # before the warm start
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
-    task, scorer, validation = task_and_scorers(cfg)
-    model, tokenizer, model_dir = load_policy(cfg, task, cfg.train.progress and distributed.is_main())
-    check_context(cfg, model, tokenizer, task.train_examples() + task.eval_examples(), task)
-    if validation is not None:
-        check_context(cfg, model, tokenizer, [e for v in validation.examples.values() for e in v])
+    parts = task_parts(cfg)
+    model, tokenizer, model_dir = load_policy(cfg, parts.task, cfg.train.progress and distributed.is_main())
+    check_context(cfg, model, tokenizer, parts.train_examples + parts.eval_examples, parts.task)
+    if parts.validation is not None:
+        check_context(cfg, model, tokenizer, [e for v in parts.validation.examples.values() for e in v])
     if cfg.rollout.mode == "async":  # workers start here, and load while the trainer sets up
         engine = RolloutWorkers(worker_spec(cfg), model_dir)
     else:  # a missing vLLM stops here, before training
         engine = make_engine(cfg.rollout, model, tokenizer, model_dir, cfg.engine_needs)
     try:  # a failure from here on closes the engine (an async run's workers) before it is raised
-        run = make_run(cfg, task, model, tokenizer, engine, scorer, validation, device)
+        run = make_run(cfg, parts, model, tokenizer, engine, device)
         if last:
             run.resume(last)
         if distributed.is_main():

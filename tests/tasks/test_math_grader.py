@@ -372,8 +372,13 @@ def test_refusal_names_the_guard(response, reference, guard):
 
 
 def test_refusal_names_the_time_limit(monkeypatch):
-    monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 0.05)  # a 90-element tuple parses for longer
-    assert math_grader.refusal("\\boxed{(" + ", ".join(f"y_{{{i}}}" for i in range(90)) + ")}", "1") == "time"
+    def parse_forever(text):  # a parse that only the time limit ends: no bet on how fast a CPU parses
+        while True:
+            pass
+
+    monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 0.05)
+    monkeypatch.setattr(math_grader, "_parse_cached", parse_forever)
+    assert math_grader.refusal("\\boxed{x+1}", "\\boxed{1}") == "time"
 
 
 # Fragments a policy writes around answers: unbalanced braces, nested boxes, huge powers.

@@ -87,13 +87,19 @@ def pilot(args: argparse.Namespace, base_lr: float) -> str:
         policy = statistics.fmean(abs(run.series["loss/policy"][s]) for s in last)
         kls[beta] = kl
         rows.append(f"| {beta:g} | {kl:.4f} | {policy:.4f} | {beta * kl / (beta * kl + policy):.3f} |")
-    binding = next((b for b in PILOT_BETAS if kls[b] <= 0.5 * kls[PAPER_BETA]), PILOT_BETAS[-1])
+    binding = binding_beta(kls)
     return (
         "| kl.beta | KL to the anchor | abs(policy loss) | KL's share of the loss |\n|---|---|---|---|\n"
         + "\n".join(rows)
         + f"\n\nThe KL binds at beta {binding:g}: the smallest whose KL to the anchor is at most half"
         f" of that at {PAPER_BETA:g}.\n"
     )
+
+
+def binding_beta(kls: dict[float, float]) -> float:
+    """The pilot's rule: the smallest beta whose KL to the anchor is at most half of that at
+    PAPER_BETA (the largest beta tried when none is)."""
+    return next((b for b in sorted(kls) if kls[b] <= 0.5 * kls[PAPER_BETA]), max(kls))
 
 
 def curve_table(runs: dict[str, list]) -> str:

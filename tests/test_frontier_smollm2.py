@@ -1,0 +1,54 @@
+"""benchmarks/frontier_smollm2.py's own figures, on runs made up here: the pilot's rule, the
+accuracy curves and the paired differences. (The grid's training, tables and reuse are
+benchmarks/frontier.py's, smoke-tested in tests/test_benchmarks.py.)"""
+
+import statistics
+import sys
+
+import pytest
+
+from emapg.eval.report import Run
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import frontier_smollm2 as fs  # noqa: E402
+
+
+def test_pilot_rule_picks_the_smallest_beta_that_halves_the_kl():
+    # The pilot's own figures: 0.0690 is 0.83x the paper's beta's, 0.0247 is 0.30x.
+    assert fs.binding_beta({1e-3: 0.0829, 1e-2: 0.0826, 1e-1: 0.0690, 1.0: 0.0247}) == 1.0
+    assert fs.binding_beta({1e-3: 0.08, 1e-2: 0.04, 1e-1: 0.01, 1.0: 0.001}) == 1e-2  # exactly half binds
+    assert fs.binding_beta({1e-3: 0.08, 1e-2: 0.07, 1e-1: 0.06, 1.0: 0.05}) == 1.0  # none: the largest
+
+
+def run(accuracy: dict[int, float], anchor: dict[int, float] | None = None) -> Run:
+    series = {"eval/accuracy": accuracy}
+    if anchor is not None:
+        series["eval/anchor/accuracy"] = anchor
+    return Run(name="r", group="r", series=series)
+
+
+def test_curve_table_shows_mean_and_std_over_seeds_and_the_anchor_where_it_has_one():
+    runs = {
+        "frozen": [run({0: 0.1, 10: 0.3}), run({0: 0.2, 10: 0.5})],
+        "ema": [run({0: 0.1, 10: 0.4}, {0: 0.1, 10: 0.2}), run({0: 0.3, 10: 0.6}, {0: 0.3, 10: 0.4})],
+    }
+    lines = fs.curve_table(runs).splitlines()
+    assert lines[0] == "| cell | step 0 | step 10 |"
+    std = statistics.stdev([0.3, 0.5])
+    assert lines[2] == f"| `frozen` | 0.150 ± {statistics.stdev([0.1, 0.2]):.3f} | 0.400 ± {std:.3f} |"
+    assert lines[3].startswith("| `ema` | 0.200 ± ") and lines[4].startswith("| `ema` (anchor) | 0.200 ± ")
+    assert len(lines) == 5  # no anchor row for the frozen cell
+
+
+def test_paired_differences_are_per_seed_with_their_spread_and_count():
+    results = {
+        "a": [{"final": 0.5}, {"final": 0.4}, {"final": 0.7}],
+        "b": [{"final": 0.3}, {"final": 0.5}, {"final": 0.6}],
+    }
+    line = fs.paired(results, [("a - b", "a", "b", "final", "final")]).splitlines()[2]
+    diffs = [0.2, -0.1, 0.1]
+    mean, std = statistics.fmean(diffs), statistics.stdev(diffs)
+    assert line == f"| a - b | +0.200, -0.100, +0.100 | {mean:+.3f} ± {std:.3f} | 2/3 |"
+    with pytest.raises(ValueError):  # seeds must pair one to one
+        fs.paired({"a": results["a"], "b": results["b"][:2]}, [("a - b", "a", "b", "final", "final")])

@@ -3,13 +3,16 @@ learns?
 
     python benchmarks/paired_study.py dynamic_sampling [--seeds 3] [--steps N] [key=value ...]
     .venv-vllm/bin/python benchmarks/paired_study.py rollout_correction   # needs vLLM
+    .venv-vllm/bin/python benchmarks/paired_study.py rollout_correction --config smollm2_math
 
-Each study runs the quickstart (built-in tiny model, arithmetic, 300 steps) in its arms on the
+Each study runs a config (`--config`: the quickstart by default, the built-in tiny model on
+arithmetic for 300 steps; smollm2_math is SmolLM2-135M-Instruct on sums) in its arms on the
 same seeds (a seed fixes the warm start, the data order and the sampling noise alike, so the arms
 are paired), sequentially (wall times are comparable on a quiet machine). Prints `emapg report`'s
 table (held-out accuracy before and after, mean ± std over seeds), each arm's wall time, its gain
 paired by seed against the first arm, and the study's metrics averaged over the first 10 steps,
-the last 10 and all. Runs go to benchmarks/paired_runs/<study>/ (a finished run is reused).
+the last 10 and all. Runs go to benchmarks/paired_runs/<study>/, or <study>-<config> for
+another config (a finished run is reused).
 
 - rollout_correction: through vLLM in bfloat16 beside the float32 policy: `corrected` (the
   defaults: pi_old recomputed, token_tis at C = 2), `recompute` (no correction), `engine` (the
@@ -61,11 +64,13 @@ def main() -> None:
     )
     parser.add_argument("study", choices=list(STUDIES))
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, help="training steps per run (default: the quickstart's)")
+    parser.add_argument("--config", default="quickstart", help="the base config of every arm")
+    parser.add_argument("--steps", type=int, help="training steps per run (default: the config's)")
     parser.add_argument("--out", type=Path, help="where runs go (default: benchmarks/paired_runs/<study>)")
     parser.add_argument("overrides", nargs="*", help="extra key=value for every run")
     args = parser.parse_args()
-    study, out = STUDIES[args.study], args.out or HERE / "paired_runs" / args.study
+    folder = args.study if args.config == "quickstart" else f"{args.study}-{args.config}"
+    study, out = STUDIES[args.study], args.out or HERE / "paired_runs" / folder
     budget = [f"train.steps={args.steps}"] if args.steps else []
     runs, walls = {}, {}
     for arm, extra in study["arms"].items():
@@ -73,7 +78,7 @@ def main() -> None:
             name = f"{arm}-seed{seed}"
             run_one(
                 name,
-                "quickstart",
+                args.config,
                 [*study["shared"], *extra, f"train.seed={seed}", *budget, *args.overrides],
                 out,
             )

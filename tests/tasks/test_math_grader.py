@@ -320,12 +320,10 @@ def test_safe_off_the_main_thread():
             ]
         )
 
-    start = time.perf_counter()
     thread = threading.Thread(target=work, daemon=True)  # a hang must not block pytest's exit
     thread.start()
-    thread.join(timeout=5)
-    assert results == [1.0, 0.0, 0.0]
-    assert time.perf_counter() - start < 2.0
+    thread.join(timeout=LIMIT_S)
+    assert results == [1.0, 0.0, 0.0]  # all three scored before the limit: none hung
 
 
 def test_bad_types_score_zero():

@@ -104,8 +104,9 @@ def test_worker_cuts_off_hangs_in_python_and_c_and_survives_its_own_death():
         elapsed = time.perf_counter() - t
         assert out.rewards == [1.0, 0.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0, 1.0]
         assert (out.errors, out.timeouts) == (3, 2)  # raise, exit, abc; sleep, spin-in-c
-        # Two 0.5 s limits plus three worker restarts, far from the 10 s sleep and the C spin.
-        assert elapsed < 6.0, elapsed
+        # Not a speed bound: less than the 10 s sleep alone, so the hangs were cut, not waited out
+        # (two 0.5 s limits plus three worker restarts, each a few seconds on a loaded machine).
+        assert elapsed < 10.0, elapsed
         again = scorer(["ok", "x"], [EX, EX])  # the restarted worker keeps serving
         assert again.rewards == [1.0, 0.5] and again.errors == again.timeouts == 0
 

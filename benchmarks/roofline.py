@@ -9,16 +9,24 @@ and share of the step, the FLOP and bytes it must move, the FLOP/s and bytes/s i
 (the time the FLOP take at the GEMM peak, or the bytes at the bandwidth, whichever is longer)
 and the share of the bound it reached (bound seconds / measured seconds).
 
-    python benchmarks/roofline.py [--config quickstart] [--model tiny|qwen0.5b] [--steps 4] [--profile]
-        [key=value ...]
+    python benchmarks/roofline.py [--model tiny|qwen0.5b|smollm2] [--config NAME] [--steps 4]
+        [--profile] [key=value ...]
+    python benchmarks/roofline.py --model smollm2 --steps 2
     .venv-vllm/bin/python benchmarks/roofline.py --model qwen0.5b rollout.engine=vllm
 
 `tiny` is the quickstart as it trains (the warm-started tiny Llama, its batch; the warm start
 is cached). `qwen0.5b` is a random Qwen2 of Qwen2.5-0.5B's shape (494M parameters, vocabulary
 151,936) on the quickstart's arithmetic task, 4 prompts x 4 samples of up to 32 new tokens
-(random weights: every response runs to the limit). key=value settings override either. The
-EMA anchor is applied at every optimiser step (anchor.update_period=1) so that its cost shows.
-`--profile` adds the operators that took the most time in one step (torch.profiler).
+(random weights: every response runs to the limit). `smollm2` is the smollm2_math config as it
+trains: SmolLM2-135M-Instruct from its GGUF (bash scripts/install-smollm2.sh; converted once
+into a cached Hugging Face folder), warm-started as the config says (cached too), 8 prompts x 8
+samples of up to 16 new tokens on 2 threads; a Llama of 30 layers, width 576, 9 heads / 3 KV
+heads of 64, vocabulary 49,152 and tied embeddings (134.5M parameters, N_lin 106.2M). `--config`
+names another config (default: quickstart, or smollm2_math for smollm2); key=value settings
+override it. The EMA anchor is applied at every optimiser step (anchor.update_period=1) so that
+its cost shows. `--profile` adds the operators that took the most time in one step
+(torch.profiler). The model's shape is read from the loaded model and its config, for every
+model; the first lines of the table print it.
 
 FLOP and bytes, counted over the real tokens of the step's batch (padding is work the machine
 does and the model does not need: it shows as a lower share of the bound), with N_lin the
@@ -27,16 +35,23 @@ head_dim, d_kv = KV heads x head_dim, H the width and V the vocabulary:
 
 - a forward pass over a batch, F: per token 2 N_lin (its matmuls) plus 4 d_attn (i + 1) per
   layer for the token at position i of its sequence (QK^T and AV over its causal prefix), plus
-  2 H V for each token whose next token is a response token (the LM head).
+  2 H V for each token whose next token is a response token (the LM head). Left out: the
+  elementwise work (norms, activations, softmax, rotary embeddings) and the linear layers'
+  biases, and what an attention kernel computes past the causal prefix (eager attention
+  computes the whole square and masks half of it).
 - rollout: F (prefill plus one token per decode step compute what one forward computes); bytes:
   every weight read once per decode step (decode steps = generate calls x the response width)
   plus, per generated token, the KV cache of its prefix (2 x layers x d_kv x context).
 - pi_old pass (when recomputed), anchor pass: F each, no gradient.
 - update: 3F per epoch (the backward is 2x the forward: gradients of activations and of
-  weights; the fused LM head also recomputes its logits, 2 H V per response token, counted as
-  overhead); plus AdamW's step, memory-bound: it reads parameter, gradient and two moments and
-  writes three, 28 bytes per float32 parameter.
+  weights; the fused LM head also recomputes its logits, 2 H V per response token, and
+  train.gradient_checkpointing a whole forward, both counted as overhead); plus AdamW's step,
+  memory-bound: it reads parameter, gradient and two moments and writes three, 28 bytes per
+  float32 parameter.
 - EMA: the anchor read and written, the policy read, once per anchor update.
+
+Tied embeddings (SmolLM2's, Qwen2.5-0.5B's) are one matrix: its bytes count once in the weights
+read, and it counts as the LM head (2 H V), never in N_lin.
 
 The bound adds the update's optimiser bytes to its compute time (the step follows the
 backward); elsewhere it is the larger of the two. Scoring (the reward) has no FLOP bound.
@@ -116,33 +131,40 @@ class Shape:
     d_kv: int
     hidden: int
     vocab: int
+    tied: bool  # the LM head is the input embedding
     weight_bytes: int  # every parameter once (tied embeddings once)
     trainable: int
 
 
 def shape_of(model: nn.Module) -> Shape:
+    """The figures the counts need, read from the model and its config (nothing assumed of the
+    architecture: head_dim where the config gives it, KV heads where it has fewer)."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    params = list(model.parameters())
+    params = list(model.parameters())  # a tied matrix once
+    head = model.get_output_embeddings().weight
     return Shape(
         linear=sum(m.weight.numel() for m in backbone(model).modules() if isinstance(m, nn.Linear)),
         layers=c.num_hidden_layers,
         d_attn=c.num_attention_heads * head_dim,
         d_kv=(getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * head_dim,
         hidden=c.hidden_size,
-        vocab=model.get_output_embeddings().weight.shape[0],
+        vocab=head.shape[0],
+        tied=head is model.get_input_embeddings().weight,
         weight_bytes=sum(p.numel() * p.element_size() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
     )
 
 
 def forward_flops(s: Shape, batch: Rollout) -> float:
+    """F of the module docstring: one forward over the batch's real tokens."""
     n = batch.attention_mask.sum(-1).double()  # real tokens per row: prompt and response
     attention = s.layers * (2 * s.d_attn * n * (n + 1)).sum()
     return float(2 * s.linear * n.sum() + attention + 2 * s.hidden * s.vocab * batch.response_mask.sum())
 
 
 def rollout_bytes(s: Shape, batch: Rollout, batch_size: int, element: int) -> float:
+    """What decoding must read: every weight per decode step, the KV cache of each new token's prefix."""
     calls = math.ceil(len(batch.texts) / batch_size)
     decode_steps = calls * batch.response_mask.shape[1]
     prompt = batch.attention_mask[:, : batch.prompt_len].sum(-1, keepdim=True)
@@ -167,9 +189,12 @@ def phase_work(cfg, s: Shape, batch: Rollout, anchor_updates: int) -> dict[str, 
     }
 
 
+CONFIGS = {"tiny": "quickstart", "qwen0.5b": "quickstart", "smollm2": "smollm2_math"}
+
+
 def build(args, out: str):
-    """The run's config (`--config`, the quickstart by default), with a random Qwen2.5-0.5B-shaped
-    model for `--model qwen0.5b`."""
+    """The run's config (`--config`, else the model's own: CONFIGS), with a random
+    Qwen2.5-0.5B-shaped model for `--model qwen0.5b`."""
     overrides = [f"train.output_dir={out}", "train.progress=false", "train.tensorboard=false",
                  "anchor.update_period=1", "eval.kl=false"]  # fmt: skip
     if args.model == "qwen0.5b":
@@ -179,95 +204,85 @@ def build(args, out: str):
         tokenizer.save_pretrained(model_dir)
         overrides += [f"model.path={model_dir}", "rollout.prompts_per_step=4", "rollout.group_size=4",
                       "rollout.max_new_tokens=32", "algo.micro_batch_size=16"]  # fmt: skip
-    return load_config(args.config, overrides + args.overrides)
+    return load_config(args.config or CONFIGS[args.model], overrides + args.overrides)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", default="quickstart", help="a shipped config or a YAML file")
-    parser.add_argument(
-        "--model", choices=("tiny", "qwen0.5b"), default="tiny", help="tiny: the config's own model"
-    )
-    parser.add_argument("--steps", type=int, default=4, help="training steps; the first is a warm-up")
-    parser.add_argument("--profile", action="store_true", help="then profile one more step's operators")
-    parser.add_argument("overrides", nargs="*", help="key=value settings")
-    args = parser.parse_args()
-    if args.steps < 2:
-        parser.error("--steps must be >= 2 (the first is a warm-up)")
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="emapg-roofline-") as out:
-        cfg = build(args, out)
-        if cfg.model.path == "builtin:tiny":
-            pin_cpu_kernels()  # as `emapg train` does, before any kernel runs
-        torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
-        threads = torch.get_num_threads()
-        device = distributed.init(device_of(cfg))
-        peak, bytes_per_s = peaks(device)
-        run = setup(cfg, False, device)
-        try:
-            batches = []
-            sample = run.engine.sample
+@dataclass
+class Measured:
+    """Per phase, summed over the measured steps: seconds and [FLOP, bytes] of work."""
 
-            def recording(*a, **kw):  # the step's batch, for its token counts
-                batches.append(sample(*a, **kw))
-                return batches[-1]
+    seconds: dict[str, float]
+    work: dict[str, list[float]]
+    slots: list[float]  # real tokens, token slots of the padded batches
+    profiler: torch.profiler.profile | None  # the extra step's, with --profile
 
-            run.engine.sample = recording
-            params = training_params(run)
-            seconds, work = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
-            slots = [0.0, 0.0]  # real tokens, token slots of the padded batch
-            shape, updates = shape_of(run.model), 0  # updates: the anchor's count, read at each step
-            for step in range(1, args.steps + 1 + args.profile):  # --profile: one step more, not counted
-                batches.clear()
-                profiling = step > args.steps
-                with torch.profiler.profile() if profiling else nullcontext() as profiler:
-                    record = training_step(run, step, params)
-                if step == 1 or profiling:  # the first is a warm-up
-                    updates = record["anchor/updates"]
-                    continue
-                for phase in PHASES:
-                    seconds[phase] += record.get(f"time/{phase}_s", 0.0)
-                batch = Rollout.cat(batches, run.tokenizer.pad_token_id) if len(batches) > 1 else batches[0]
-                done = record["anchor/updates"] - updates
-                slots[0] += float(batch.attention_mask.sum())
-                slots[1] += batch.attention_mask.numel()
-                for phase, (f, b) in phase_work(cfg, shape, batch, done).items():
-                    work[phase][0] += f
-                    work[phase][1] += b
-                updates = record["anchor/updates"]
-        finally:
-            run.close()
-            distributed.close()
-    # Measured again after the steps: a peak that moved says the machine was shared meanwhile; the
-    # bound takes the higher of the two, what the machine can do.
-    peak_after, bytes_after = peaks(device)
-    for name, before, after in (
-        ("GEMM float32", peak[torch.float32], peak_after[torch.float32]),
-        ("GEMM bfloat16", peak[torch.bfloat16], peak_after[torch.bfloat16]),
-        ("memory", bytes_per_s, bytes_after),
+
+def measure(run, cfg, shape: Shape, steps: int, profile: bool) -> Measured:
+    """Training steps 1..steps, the first a warm-up left out, and with `profile` one more under
+    torch.profiler, also left out. The engine's sample calls are recorded: their batches give
+    each step's token counts."""
+    batches = []
+    sample = run.engine.sample
+
+    def recording(*a, **kw):
+        batches.append(sample(*a, **kw))
+        return batches[-1]
+
+    run.engine.sample = recording
+    params = training_params(run)
+    m = Measured(defaultdict(float), defaultdict(lambda: [0.0, 0.0]), [0.0, 0.0], None)
+    updates = 0  # the anchor's count, read at each step
+    for step in range(1, steps + 1 + profile):
+        batches.clear()
+        with torch.profiler.profile() if step > steps else nullcontext() as m.profiler:
+            record = training_step(run, step, params)
+        done, updates = record["anchor/updates"] - updates, record["anchor/updates"]
+        if step == 1 or step > steps:
+            continue
+        for phase in PHASES:
+            m.seconds[phase] += record.get(f"time/{phase}_s", 0.0)
+        batch = Rollout.cat(batches, run.tokenizer.pad_token_id) if len(batches) > 1 else batches[0]
+        m.slots[0] += float(batch.attention_mask.sum())
+        m.slots[1] += batch.attention_mask.numel()
+        for phase, (f, b) in phase_work(cfg, shape, batch, done).items():
+            m.work[phase][0] += f
+            m.work[phase][1] += b
+    return m
+
+
+def print_peaks(device: torch.device, threads: int, before, after) -> None:
+    """The peaks measured before and after the steps: one that moved says the machine was shared."""
+    for name, b, a in (
+        ("GEMM float32", before[0][torch.float32], after[0][torch.float32]),
+        ("GEMM bfloat16", before[0][torch.bfloat16], after[0][torch.bfloat16]),
+        ("memory", before[1], after[1]),
     ):
         unit = "GB/s" if name == "memory" else "GFLOP/s"
         print(
-            f"machine ({device}, {threads} CPU threads, {torch.backends.cpu.get_cpu_capability()} kernels): {name} {before / 1e9:.0f} {unit} before the steps, {after / 1e9:.0f} after"
+            f"machine ({device}, {threads} CPU threads, {torch.backends.cpu.get_cpu_capability()} kernels): {name} {b / 1e9:.0f} {unit} before the steps, {a / 1e9:.0f} after"
         )
-    compute_peak = max(peak[getattr(torch, cfg.model.dtype)], peak_after[getattr(torch, cfg.model.dtype)])
-    bytes_per_s = max(bytes_per_s, bytes_after)
-    measured = args.steps - 1
-    total = sum(seconds.values())
-    print(f"\n{cfg.train.name}, {args.model} model: {shape.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), N_lin {shape.linear / 1e6:.2f}M, "
-          f"vocabulary {shape.vocab}; {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} sequences of <= "
-          f"{cfg.rollout.max_new_tokens} new tokens; engine {cfg.rollout.engine}; kl {cfg.kl.estimator}; "
-          f"mean of steps 2..{args.steps}")  # fmt: skip
+
+
+def print_header(cfg, model: str, s: Shape, steps: int) -> None:
+    """The run and the model's shape as the counts read it."""
+    print(f"\n{cfg.train.name}, {model} model: {s.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), "
+          f"{s.layers} layers, width {s.hidden}, d_attn {s.d_attn}, d_kv {s.d_kv}, N_lin {s.linear / 1e6:.2f}M, "
+          f"vocabulary {s.vocab}, {'tied' if s.tied else 'untied'} embeddings")  # fmt: skip
+    print(f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} sequences of <= {cfg.rollout.max_new_tokens} "
+          f"new tokens; engine {cfg.rollout.engine}; kl {cfg.kl.estimator}; mean of steps 2..{steps}")  # fmt: skip
+
+
+def print_table(m: Measured, measured: int, compute_peak: float, bytes_per_s: float) -> None:
+    """Per phase: seconds, share, work, rates reached, the bound and the share of it reached."""
+    total = sum(m.seconds.values())
     print(
         f"{'phase':<10}{'s/step':>8}{'share':>7}{'GFLOP':>9}{'GB':>8}{'GFLOP/s':>9}{'GB/s':>7}{'bound':>8}{'bound s':>9}{'of bound':>9}"
     )
     for phase in PHASES:
-        if phase not in seconds or seconds[phase] == 0.0:
+        if m.seconds.get(phase, 0.0) == 0.0:
             continue
-        t = seconds[phase] / measured
-        f, b = (x / measured for x in work.get(phase, (0.0, 0.0)))
+        t = m.seconds[phase] / measured
+        f, b = (x / measured for x in m.work.get(phase, (0.0, 0.0)))
         compute, memory = f / compute_peak, b / bytes_per_s
         bound = compute + memory if phase == "update" else max(compute, memory)
         kind = "-" if bound == 0 else ("GEMM" if compute >= memory else "memory")
@@ -279,11 +294,54 @@ def main() -> None:
         print(f"{phase:<10}{t:>8.3f}{t / (total / measured):>7.1%}{cells}")
     print(f"{'step':<10}{total / measured:>8.3f}")
     print(
-        f"padding: {1 - slots[0] / slots[1]:.1%} of the batch's token slots (before each micro-batch is trimmed)"
+        f"padding: {1 - m.slots[0] / m.slots[1]:.1%} of the batch's token slots (before each micro-batch is trimmed)"
     )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", help="a shipped config or a YAML file (default: the model's, CONFIGS)")
+    parser.add_argument(
+        "--model", choices=tuple(CONFIGS), default="tiny", help="tiny: the config's own model"
+    )
+    parser.add_argument("--steps", type=int, default=4, help="training steps; the first is a warm-up")
+    parser.add_argument("--profile", action="store_true", help="then profile one more step's operators")
+    parser.add_argument("overrides", nargs="*", help="key=value settings")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first is a warm-up)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="emapg-roofline-") as out:
+        cfg = build(args, out)
+        if cfg.model.path == "builtin:tiny":
+            pin_cpu_kernels()  # as `emapg train` does, before any kernel runs
+        torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
+        threads = torch.get_num_threads()
+        device = distributed.init(device_of(cfg))
+        before = peaks(device)
+        run = setup(cfg, False, device)
+        try:
+            shape = shape_of(run.model)
+            m = measure(run, cfg, shape, args.steps, args.profile)
+        finally:
+            run.close()
+            distributed.close()
+    after = peaks(device)
+    print_peaks(device, threads, before, after)
+    # The bound takes the higher of the two measurements: what the machine can do.
+    dtype = getattr(torch, cfg.model.dtype)
+    print_header(cfg, args.model, shape, args.steps)
+    print_table(m, args.steps - 1, max(before[0][dtype], after[0][dtype]), max(before[1], after[1]))
     print(f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
     if args.profile:
-        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        print(m.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """Training throughput of emapg's trainer against TRL's GRPOTrainer on the same workload.
 
-Same model (a random Llama built from a config, saved once, loaded by both), same arithmetic
-prompts and reward, same group size, batch and response length limit, k3 KL against a frozen
-reference with the same beta, fp32, token-mean loss, one optimiser step per rollout, one micro
-batch. The two run alternately in one process (emapg, TRL, emapg, TRL, ...), so that load
-from other processes hits both alike.
+Same model, loaded by both in float32; same prompts, reward, group size, batch and response
+length limit; k3 KL against a frozen reference with the same beta, token-mean loss, one optimiser
+step per rollout, one micro batch, no gradient checkpointing (emapg's default; TRL's is on). The prompts are the task's first `--prompts` training examples,
+all of them at every step on both sides, and the reward is the task's own score, computed in the
+measured process on both sides (`task.reward_isolation=inline`: emapg's default puts the math
+grader in a worker process, whose memory VmHWM would miss). TRL's prompt token ids are checked
+against emapg's before its run (`check_prompt_ids`), and its own token count against them at every
+step. The two run alternately (emapg, TRL, emapg, TRL, ...), so that load from other processes
+hits both alike.
 
 Per side it prints response tokens per second of training-step wall time (the first step of
 every run is a warm-up and left out), the mean phase split, and the peak RSS of the run:
@@ -12,11 +16,30 @@ the process's RSS high-water mark (VmHWM), reset before each run through /proc/s
 so it includes the interpreter and both libraries (the "over start" column subtracts the RSS
 at the run's start).
 
-    python benchmarks/throughput_vs_trl.py [--engine hf] [--rounds 3] [--steps 4] [--prompts 8]
-        [--group 8] [--max-new-tokens 32] [--hidden 128] [--layers 4] [--heads H] [--vocab 0]
+    python benchmarks/throughput_vs_trl.py [--model tiny] [--engine hf] [--rounds 3] [--steps 4]
+        [--prompts 8] [--group 8] [--max-new-tokens 32] [--hidden 128] [--layers 4] [--heads H]
+        [--vocab 0]
 
-`--vocab V` grows the character tokenizer (and so the model's vocabulary) to V entries with
-extra CJK characters, to weigh the output head as a real LLM's (32k to 150k) does.
+`--model tiny` (the default) is a random Llama built from a config (`--hidden`, `--layers`,
+`--heads`, `--vocab`), saved once, on the arithmetic task's prompts (plain text: its character
+tokenizer has no chat template). `--vocab V` grows the character tokenizer (and so the model's
+vocabulary) to V entries with extra CJK characters, to weigh the output head as a real LLM's
+(32k to 150k) does.
+
+`--model smollm2` trains the real SmolLM2-135M-Instruct (bash scripts/install-smollm2.sh) on the
+task of `smollm2_math.yaml` (two-digit sums, "Put the final answer in \\boxed{}", graded by
+math-verify), through the model's chat template on both sides, without that config's warm start.
+Both load the Hugging Face folder that emapg converts the GGUF into once (`model.path=smollm2`,
+cached under model.cache_dir); the shape flags do not apply. Every run is its own process (as
+with vLLM, below): in one process the second side would start on the first one's leftover heap,
+and its peak RSS would not be its own. With vLLM its KV cache is 1 GiB on both sides
+(VLLM_CPU_KVCACHE_SPACE): vLLM's CPU build otherwise gives it the share of RAM below less the
+process's RSS, and with SmolLM2 (policy, reference and vLLM's copy) that is negative.
+The issue's goals there: emapg/TRL >= 2x tokens/s with hf, >= 1.5x with vLLM on both sides, and
+emapg's peak RSS <= 0.6x TRL's.
+
+    python benchmarks/throughput_vs_trl.py --model smollm2 --rounds 2 --steps 3
+    .venv-vllm/bin/python benchmarks/throughput_vs_trl.py --model smollm2 --engine vllm --rounds 2 --steps 3
 
 `--engine vllm` samples on both sides with a colocated vLLM engine in float32, eager, with 5% of
 RAM for its KV cache: emapg with `rollout.engine=vllm`, TRL with `use_vllm=True,
@@ -29,13 +52,13 @@ TRL installed beside vLLM without touching torch, vllm or transformers:
 
 Every run is then its own process (this script with --child), so each engine starts in a fresh
 process and the peak RSS is that run's alone. vLLM's CPU attention needs heads >= 32 wide, so
-the heads default to hidden / 32 (4 at hidden 128; the hf comparison keeps its 8). Two changes
-to TRL's colocated engine (`trl_on_vllm_cpu`), both needed to run it on vllm-cpu like emapg's:
-TRL passes vLLM no dtype (vLLM's "auto" casts a float32 checkpoint to bfloat16) and no
-enforce_eager, so both are added; and TRL's weight sync (`model.load_weights` per parameter)
-fails on CPU ("'Parameter' object has no attribute 'weight_loader'": vLLM's CPU linear layers
-repack their weights into oneDNN handles and leave an empty Parameter behind), so it goes
-through vLLM's in-place `reload_weights`, emapg's sync. Both sides keep their default
+the tiny model's heads default to hidden / 32 (4 at hidden 128; the hf comparison keeps its 8).
+Two changes to TRL's colocated engine (`trl_on_vllm_cpu`), both needed to run it on vllm-cpu
+like emapg's: TRL passes vLLM no dtype (vLLM's "auto" casts a float32 checkpoint to bfloat16)
+and no enforce_eager, so both are added; and TRL's weight sync (`model.load_weights` per
+parameter) fails on CPU ("'Parameter' object has no attribute 'weight_loader'": vLLM's CPU
+linear layers repack their weights into oneDNN handles and leave an empty Parameter behind), so
+it goes through vLLM's in-place `reload_weights`, emapg's sync. Both sides keep their default
 off-policy correction, and so both recompute pi_old with a no-grad policy pass (TRL: vLLM
 importance sampling; emapg: `algo.old_logp=auto`, token TIS).
 """
@@ -45,6 +68,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -52,23 +76,30 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from datasets import Dataset
+from safetensors import safe_open
 from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 from transformers.utils import logging as hf_logging
 from trl import GRPOConfig, GRPOTrainer
 
-from emapg.model.models import build_tiny_model, build_tiny_tokenizer
-from emapg.tasks.arithmetic import ArithmeticTask, exact_match
-from emapg.training.config import load_config
+from emapg.model.models import build_tiny_model, build_tiny_tokenizer, model_folder
+from emapg.prompts import encode_prompts
+from emapg.tasks import Example, Task, make_task
+from emapg.training.config import Config, load_config
 from emapg.training.loop import train
 from random_models import padded_tokenizer
+from rollout_engines import load_average
 
 BETA = 0.01
 THREADS = 2
 KV_SHARE = 0.05  # vLLM's KV cache: share of RAM (1.2 GiB of 24), as the CPU tests use
+SMOLLM2_KV_GIB = 1  # vLLM's KV cache with SmolLM2, whose processes hold more than KV_SHARE (docstring)
+CONFIGS = {"tiny": "quickstart", "smollm2": "smollm2_math"}  # --model -> emapg's config (its task)
+MEMORY_GOAL = 0.6  # emapg / TRL peak RSS with the real model (smollm2)
 
 
 def rss_mb(field: str) -> float:
@@ -85,17 +116,21 @@ def reset_peak_rss() -> float:
     return rss_mb("VmRSS")
 
 
-def run_emapg(model_dir: str, args, out: str, round_: int) -> dict:
-    cfg = load_config(
-        "quickstart",
+def emapg_config(model_dir: str, args, out: str, round_: int) -> Config:
+    """emapg's run: the --model's config (its task and prompt format) with the common workload set.
+    Its task section is TRL's too (`make_workload`)."""
+    return load_config(
+        CONFIGS[args.model],
         [
             f"model.path={model_dir}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"algo.micro_batch_size={args.prompts * args.group}",
             "algo.loss_aggregation=token_mean", "kl.estimator=k3", f"kl.beta={BETA}", "anchor.kind=frozen",
             f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.save_every={args.steps}",
             f"train.output_dir={out}", f"train.name=emapg{round_}", f"train.threads={THREADS}",
-            "train.tensorboard=false", "train.progress=false", "task.num_eval=8", "eval.samples=1",
-            "optim.lr=1e-5",
+            "train.tensorboard=false", "train.progress=false", "eval.samples=1", "optim.lr=1e-5",
+            # the same prompts at every step (all --prompts of them), scored in the measured process
+            f"task.num_train={args.prompts}", "task.num_eval=8", "task.reward_isolation=inline",
+            "warmstart.pretrained=false",  # smollm2_math's warm start: the benchmark trains the model as it is
         ]
         + (
             ["rollout.engine=vllm", "rollout.dtype=float32", "rollout.vllm_enforce_eager=true",
@@ -103,6 +138,57 @@ def run_emapg(model_dir: str, args, out: str, round_: int) -> dict:
             if args.engine == "vllm" else []
         ),
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both sides train on at every step: all of `examples`, each `--group` times."""
+
+    task: Task  # its score is the reward on both sides
+    examples: list[Example]
+    chat: bool  # prompts go through the model's chat template (SmolLM2's; the tiny model has none)
+    ids: list[list[int]]  # the prompts' token ids as emapg's sampler encodes them
+
+
+def make_workload(cfg: Config, tokenizer) -> Workload:
+    """The task and prompts of emapg's config, and their token ids as emapg encodes them."""
+    task = make_task(cfg.task, cfg.warmstart.cache_dir)
+    examples = task.train_examples()
+    if len(examples) != cfg.rollout.prompts_per_step:
+        sys.exit(f"--prompts {cfg.rollout.prompts_per_step}: the task has only {len(examples)} prompts")
+    chat = cfg.model.chat_template and bool(getattr(tokenizer, "chat_template", None))
+    ids = encode_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
+    return Workload(task, examples, chat, ids)
+
+
+def trl_prompts(work: Workload) -> list:
+    """TRL's dataset prompts: with a chat template, one user message each (which TRL renders with
+    the template and the generation prompt, as emapg does); else the text itself."""
+    return [[{"role": "user", "content": e.prompt}] if work.chat else e.prompt for e in work.examples]
+
+
+def check_prompt_ids(trainer: GRPOTrainer, prompts: list, work: Workload) -> None:
+    """Stop unless TRL turns `prompts` into emapg's token ids (through TRL's own tokenizing step)."""
+    theirs = [list(ids) for ids in trainer._tokenize_prompts(prompts)[0]]
+    if theirs != work.ids:
+        wrong = next(i for i, (a, b) in enumerate(zip(theirs, work.ids, strict=True)) if a != b)
+        raise RuntimeError(
+            f"TRL and emapg tokenize prompt {wrong} differently: {theirs[wrong]} vs {work.ids[wrong]}"
+        )
+
+
+def trl_reward(work: Workload):
+    """TRL's reward function: the task's score of the completion's text, as emapg's reward."""
+
+    def reward(completions, index, **kw):
+        texts = [c[-1]["content"] if work.chat else c for c in completions]
+        return [float(work.task.score(t, work.examples[i])) for t, i in zip(texts, index, strict=True)]
+
+    return reward
+
+
+def run_emapg(model_dir: str, args, out: str, round_: int) -> dict:
+    cfg = emapg_config(model_dir, args, out, round_)
     start = reset_peak_rss()
     train(cfg)
     peak = rss_mb("VmHWM")
@@ -192,50 +278,86 @@ class StepClock(TrainerCallback):
         self.snapshots.append(dict(self.timer))
 
 
-def run_trl(model_dir: str, args, out: str, round_: int, task: ArithmeticTask) -> dict:
-    torch.set_num_threads(THREADS)
-    examples = task.train_examples()
-    dataset = Dataset.from_dict(
-        {"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]}
-    )
-
-    def reward(completions, answer, **kw):
-        return [exact_match(c, a) for c, a in zip(completions, answer, strict=True)]
-
-    config = GRPOConfig(
+def trl_config(args, out: str, round_: int) -> GRPOConfig:
+    """TRL's side of the workload in emapg_config (TRL's defaults otherwise)."""
+    return GRPOConfig(
         output_dir=os.path.join(out, f"trl{round_}"), per_device_train_batch_size=args.prompts * args.group,
         num_generations=args.group, max_completion_length=args.max_new_tokens, max_steps=args.steps,
         beta=BETA, use_bias_correction_kl=False, loss_type="bnpo", bf16=False, use_cpu=True, seed=round_,
-        learning_rate=1e-5, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
+        model_init_kwargs={"dtype": "float32"}, learning_rate=1e-5, report_to=[], save_strategy="no",
+        logging_steps=1, disable_tqdm=True,
+        gradient_checkpointing=False,  # as emapg's train.gradient_checkpointing (TRL 1.16's default: on)
         **(
             dict(use_vllm=True, vllm_mode="colocate", vllm_model_impl="vllm", vllm_enable_sleep_mode=False,
                  vllm_gpu_memory_utilization=KV_SHARE)
             if args.engine == "vllm" else {}
         ),
     )  # fmt: skip
+
+
+def trl_trainer(model_dir: str, args, out: str, round_: int, work: Workload, tokenizer) -> TimedGRPOTrainer:
+    """TRL's trainer on the workload's prompts (dataset rows carry their example's index for the
+    reward), checked to tokenize them as emapg does."""
+    prompts = trl_prompts(work)
+    dataset = Dataset.from_dict({"prompt": prompts, "index": list(range(len(prompts)))})
+    trainer = TimedGRPOTrainer(
+        model=model_dir, reward_funcs=trl_reward(work), args=trl_config(args, out, round_),
+        train_dataset=dataset, processing_class=tokenizer,
+    )  # fmt: skip
+    check_prompt_ids(trainer, prompts, work)
+    trainer.remove_callback(PrinterCallback)  # logging_steps=1 feeds log_history; keep stdout clean
+    return trainer
+
+
+def trl_prompt_tokens(log_history: list[dict], seqs: int) -> list[int]:
+    """Prompt tokens of each step by TRL's own count: its running num_tokens (prompt and
+    completion tokens) less the step's completion tokens."""
+    logs = [h for h in log_history if "num_tokens" in h]
+    seen = [0] + [h["num_tokens"] for h in logs]
+    return [
+        round(b - a - h["completions/mean_length"] * seqs)
+        for a, b, h in zip(seen[:-1], seen[1:], logs, strict=True)
+    ]
+
+
+def run_trl(model_dir: str, args, out: str, round_: int) -> dict:
+    torch.set_num_threads(THREADS)
     if args.engine == "vllm":
         trl_on_vllm_cpu()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    work = make_workload(emapg_config(model_dir, args, out, round_), tokenizer)
     start = reset_peak_rss()
-    trainer = TimedGRPOTrainer(
-        model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer
-    )
+    trainer = trl_trainer(model_dir, args, out, round_, work, tokenizer)
     clock = StepClock(trainer.timer)
-    trainer.remove_callback(PrinterCallback)  # logging_steps=1 feeds log_history; keep stdout clean
     trainer.add_callback(clock)
     trainer.train()
     peak = rss_mb("VmHWM")
-    lengths = [
-        h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
-    ]
     seqs = args.prompts * args.group
-    # Phases over steps 2.. (the first is a warm-up): differences of the running timers.
+    expected = args.group * sum(map(len, work.ids))
+    fed = trl_prompt_tokens(trainer.state.log_history, seqs)
+    if len(fed) != args.steps or any(n != expected for n in fed):
+        raise RuntimeError(
+            f"TRL's prompt tokens per step: {fed}; emapg's: {expected} at each of {args.steps}"
+        )
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "num_tokens" in h]
+    seconds = sum(clock.seconds[1:])  # the first step is a warm-up
+    return {
+        "tokens": sum(lengths[1:]) * seqs,
+        "seconds": seconds,
+        "phases": trl_phases(clock, seconds),
+        "steps": len(clock.seconds) - 1,
+        "peak": peak,
+        "start": start,
+    }
+
+
+def trl_phases(clock: StepClock, seconds: float) -> dict:
+    """TRL's phases over steps 2.. (the first is a warm-up): differences of the running timers."""
     first, last = clock.snapshots[0], clock.snapshots[-1]
     spent = {k: last.get(k, 0.0) - first.get(k, 0.0) for k in last}
-    seconds = sum(clock.seconds[1:])
     rollout = spent["rollout total"]
     old_logp = {"old_logp": spent["old_logp"]} if "old_logp" in spent else {}  # with vLLM only
-    phases = {
+    return {
         "rollout": spent["generate"],
         "scoring": spent["scoring"],
         **old_logp,
@@ -246,23 +368,17 @@ def run_trl(model_dir: str, args, out: str, round_: int, task: ArithmeticTask) -
         "update (fwd+bwd)": spent["training_step"] - rollout,
         "optimiser, callbacks": seconds - spent["training_step"],
     }  # fmt: skip
-    return {
-        "tokens": sum(lengths[1:]) * seqs,
-        "seconds": seconds,
-        "phases": phases,
-        "steps": len(clock.seconds) - 1,
-        "peak": peak,
-        "start": start,
-    }
 
 
-def summarize(name: str, runs: list[dict]) -> float:
+def summarize(name: str, runs: list[dict]) -> tuple[float, float]:
+    """Print one side's throughput, phases and memory; return its tokens/s and peak RSS (MB)."""
     tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
     per_run = [r["tokens"] / r["seconds"] for r in runs]
     peak = max(r["peak"] for r in runs)
     over = statistics.median(r["peak"] - r["start"] for r in runs)
     print(f"\n{name}: {tokens / seconds:,.0f} response tokens/s (runs: {', '.join(f'{x:,.0f}' for x in per_run)}), "
-          f"{seconds / sum(r['steps'] for r in runs):.2f} s per step; peak RSS {peak:,.0f} MB "
+          f"{seconds / steps:.2f} s and {tokens / steps:,.0f} response tokens per step; peak RSS {peak:,.0f} MB "
           f"(median {over:,.0f} MB over the run's start)")  # fmt: skip
     phases = defaultdict(float)
     for r in runs:
@@ -270,36 +386,38 @@ def summarize(name: str, runs: list[dict]) -> float:
             phases[k] += v
     for k, v in phases.items():
         print(f"  {k:<22}{v / seconds:>7.1%}  {v:>8.2f} s")
-    return tokens / seconds
+    return tokens / seconds, peak
 
 
-def make_task() -> ArithmeticTask:
-    cfg = load_config("quickstart")
-    return ArithmeticTask(seed=cfg.task.seed, num_train=cfg.task.num_train, num_eval=8,
-                          min_digits=cfg.task.min_digits, max_digits=cfg.task.max_digits)  # fmt: skip
-
-
-def run(side: str, model_dir: str, args, out: str, round_: int, task: ArithmeticTask) -> dict:
-    """One run of `side` (emapg or trl). With vLLM, in a fresh process (this script with --child,
-    its output in OUT/SIDE-ROUND.log): one engine per process, and the peak RSS is the run's own."""
-    if args.engine == "hf" or args.child:
+def run(side: str, model_dir: str, args, out: str, round_: int) -> dict:
+    """One run of `side` (emapg or trl). With vLLM or SmolLM2, in a fresh process (this script with
+    --child, its output in OUT/SIDE-ROUND.log): one engine per process, and the peak RSS is the
+    run's own, not on top of the previous run's heap (which a 135M model's runs leave in GBs)."""
+    if (args.engine == "hf" and args.model == "tiny") or args.child:
         if side == "emapg":
             return run_emapg(model_dir, args, out, round_)
-        return run_trl(model_dir, args, out, round_, task)
+        return run_trl(model_dir, args, out, round_)
     name = os.path.join(out, f"{side}-{round_}")
     with open(name + ".log", "w") as log:
-        child = [sys.executable, __file__, *sys.argv[1:], "--child", side, str(round_), out]
-        code = subprocess.run(child, stdout=log, stderr=subprocess.STDOUT).returncode
+        child = [sys.executable, __file__, *sys.argv[1:], "--child", side, str(round_), out, model_dir]
+        env = (
+            dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(SMOLLM2_KV_GIB)) if args.model == "smollm2" else None
+        )
+        code = subprocess.run(child, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if code:
         tail = "\n".join(Path(name + ".log").read_text().splitlines()[-30:])
         sys.exit(f"{side} run {round_} failed (exit {code}); the end of its output:\n{tail}")
     return json.loads(Path(name + ".json").read_text())
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--model", choices=list(CONFIGS), default="tiny",
+        help="tiny: a random Llama of --hidden, --layers, --heads, --vocab; smollm2: SmolLM2-135M-Instruct",
+    )  # fmt: skip
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="the sampler, on both sides")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -316,51 +434,88 @@ def main() -> None:
     parser.add_argument(
         "--vocab", type=int, default=0, help="vocabulary size (default: the tiny tokenizer's 57)"
     )
-    parser.add_argument("--child", nargs=3, metavar=("SIDE", "ROUND", "OUT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--child", nargs=4, metavar=("SIDE", "ROUND", "OUT", "MODEL"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step of each run is a warm-up)")
     base_vocab = len(build_tiny_tokenizer())
     if args.vocab and args.vocab < base_vocab:
         parser.error(f"--vocab {args.vocab}: must be at least the tiny tokenizer's {base_vocab} (or 0)")
-    heads = args.heads or (8 if args.engine == "hf" else args.hidden // 32)
-    if args.engine == "vllm" and (args.hidden % heads or args.hidden // heads < 32):
+    args.heads = args.heads or (8 if args.engine == "hf" else args.hidden // 32)
+    if (
+        args.model == "tiny"
+        and args.engine == "vllm"
+        and (args.hidden % args.heads or args.hidden // args.heads < 32)
+    ):
         parser.error(
-            f"--engine vllm: heads must be >= 32 wide (vLLM's CPU attention); hidden {args.hidden}, {heads} heads"
+            f"--engine vllm: heads must be >= 32 wide (vLLM's CPU attention); hidden {args.hidden}, {args.heads} heads"
         )
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(THREADS)
-    task = make_task()
-    if args.child:  # one run for the parent process (`run`): its result as JSON beside its log
-        side, round_, out = args.child
-        result = run(side, os.path.join(out, "model"), args, out, int(round_), task)
-        Path(out, f"{side}-{round_}.json").write_text(json.dumps(result))
-        return
-    print(f"load average before the run: {os.getloadavg()[0]:.1f} (the machine may be shared)")
-    with tempfile.TemporaryDirectory() as out:
-        model_dir = os.path.join(out, "model")
-        tokenizer = padded_tokenizer(args.vocab or base_vocab)
-        model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
-                                 max_position_embeddings=128)  # fmt: skip
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        params = sum(p.numel() for p in model.parameters()) / 1e6
-        print(f"model: random Llama, hidden {args.hidden}, {heads} heads, {args.layers} layers, {params:.2f}M "
-              f"parameters, vocab {len(tokenizer)}, fp32; {args.prompts} prompts x {args.group} samples, <= "
-              f"{args.max_new_tokens} new tokens; k3 KL, frozen reference, beta {BETA}; {THREADS} threads; "
-              f"{args.rounds} rounds of {args.steps} steps each, alternating")  # fmt: skip
-        if args.engine == "vllm":
-            print(f"sampling: colocated vLLM on both sides, float32, eager, KV cache {KV_SHARE:.0%} of RAM, one "
-                  "process per run; TRL's engine made float32 and eager and its weight sync routed through "
-                  "vLLM's reload_weights (its own fails on vLLM's CPU build: see the docstring)")  # fmt: skip
-        emapg_runs, trl_runs = [], []
-        for round_ in range(args.rounds):
-            emapg_runs.append(run("emapg", model_dir, args, out, round_, task))
-            trl_runs.append(run("trl", model_dir, args, out, round_, task))
-    ours = summarize("emapg", emapg_runs)
-    theirs = summarize("TRL GRPOTrainer", trl_runs)
-    goal = 3.0 if args.engine == "hf" and args.vocab >= 32000 else 1.5  # emapg / TRL, the issue's goals
+    return args
+
+
+def prepare_model(args, out: str) -> tuple[str, str]:
+    """The folder both sides load, and the model's name for the header. SmolLM2: the folder emapg
+    converts its GGUF into (once; cached where emapg's config caches it)."""
+    if args.model == "smollm2":
+        folder = model_folder("smollm2", load_config(CONFIGS["smollm2"]).model.cache_dir)
+        return folder, "SmolLM2-135M-Instruct (from its GGUF, dequantized)"
+    model_dir = os.path.join(out, "model")
+    tokenizer = padded_tokenizer(args.vocab or len(build_tiny_tokenizer()))
+    model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                             max_position_embeddings=128)  # fmt: skip
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir, f"random Llama, hidden {args.hidden}, {args.heads} heads, {args.layers} layers"
+
+
+def parameter_count(model_dir: str) -> int:
+    """Parameters of the saved model, from its safetensors headers: nothing is loaded into this
+    process, whose RSS is measured (a tied head is saved once, as `parameters()` counts it)."""
+    total = 0
+    for file in Path(model_dir).glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            names = f.keys()  # safe_open is no dict: keys() is its listing
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in names)
+    return total
+
+
+def print_header(args, model_dir: str, name: str, out: str) -> None:
+    """The model (name, parameters, vocabulary), the workload and how each side samples."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cfg = emapg_config(model_dir, args, out, 0)
+    work = make_workload(cfg, tokenizer)
+    print(
+        f"model: {name}, {parameter_count(model_dir) / 1e6:.2f}M parameters, vocab {len(tokenizer)}, fp32; "
+        f"{args.prompts} prompts x {args.group} samples, <= {args.max_new_tokens} new tokens; k3 KL, frozen "
+        f"reference, beta {BETA}; {THREADS} threads; {args.rounds} rounds of {args.steps} steps each, alternating"
+    )
+    print(
+        f"prompts: the {cfg.task.name} task's first {args.prompts} at every step on both sides, "
+        f"{'through the chat template' if work.chat else 'plain text'}, {args.group * sum(map(len, work.ids))} "
+        "prompt tokens per step (TRL's token ids checked equal to emapg's, and its count at every step)"
+    )
+    if args.engine == "vllm":
+        kv = f"{SMOLLM2_KV_GIB} GiB" if args.model == "smollm2" else f"{KV_SHARE:.0%} of RAM"
+        print(f"sampling: colocated vLLM on both sides, float32, eager, KV cache {kv}, one "
+              "process per run; TRL's engine made float32 and eager and its weight sync routed through "
+              "vLLM's reload_weights (its own fails on vLLM's CPU build: see the docstring)")  # fmt: skip
+
+
+def throughput_goal(args) -> float:
+    """The issue's goal for emapg / TRL tokens/s in this comparison."""
+    if args.engine == "vllm":
+        return 1.5
+    if args.model == "smollm2":
+        return 2.0
+    return 3.0 if args.vocab >= 32000 else 1.5  # the random model: a real LLM's vocabulary, or its own 57
+
+
+def report(args, emapg_runs: list[dict], trl_runs: list[dict]) -> None:
+    """Both sides' summaries, the throughput ratio (per round too) and the memory ratio, against
+    the issue's goals."""
+    ours, our_peak = summarize("emapg", emapg_runs)
+    theirs, their_peak = summarize("TRL GRPOTrainer", trl_runs)
+    goal = throughput_goal(args)
     rounds = [
         (e["tokens"] / e["seconds"]) / (t["tokens"] / t["seconds"])
         for e, t in zip(emapg_runs, trl_runs, strict=True)
@@ -370,7 +525,35 @@ def main() -> None:
         f"{'met' if ours >= goal * theirs else 'NOT met'}; per round {', '.join(f'{r:.2f}x' for r in rounds)} "
         f"(median {statistics.median(rounds):.2f}x: less swayed by bursts of load)"
     )
-    print(f"load average after the run: {os.getloadavg()[0]:.1f} (the machine may be shared)")
+    memory = our_peak / their_peak
+    verdict = (
+        f" (goal <= {MEMORY_GOAL}x: {'met' if memory <= MEMORY_GOAL else 'NOT met'})"
+        if args.model == "smollm2"
+        else ""
+    )
+    print(f"peak RSS emapg / TRL = {memory:.2f}x{verdict}")
+
+
+def main() -> None:
+    args = parse_args()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(THREADS)
+    if args.child:  # one run for the parent process (`run`): its result as JSON beside its log
+        side, round_, out, model_dir = args.child
+        result = run(side, model_dir, args, out, int(round_))
+        Path(out, f"{side}-{round_}.json").write_text(json.dumps(result))
+        return
+    print(f"load average before the run: {load_average()} (the machine may be shared)")
+    with tempfile.TemporaryDirectory() as out:
+        model_dir, name = prepare_model(args, out)
+        print_header(args, model_dir, name, out)
+        emapg_runs, trl_runs = [], []
+        for round_ in range(args.rounds):
+            emapg_runs.append(run("emapg", model_dir, args, out, round_))
+            trl_runs.append(run("trl", model_dir, args, out, round_))
+    report(args, emapg_runs, trl_runs)
+    print(f"load average after the run: {load_average()} (the machine may be shared)")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from emapg.training.config import load_config
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bf16_weights import rounding_figures  # noqa: E402
 from random_models import padded_tokenizer, random_qwen2  # noqa: E402
 from rollout_engines import ENTROPY_TOL, next_token_entropy, set_entropy  # noqa: E402
 from rollout_mismatch import CAPS, mismatch_figures  # noqa: E402
@@ -72,3 +73,12 @@ def test_an_engine_that_samples_the_trainers_pi_old_shows_no_gap():
     # (left-padded prompts, two micro-batches).
     assert 0.5 < f["entropy"] < math.log(256) - 0.5
     assert f["entropy"] == pytest.approx(float(batch.entropy[batch.response_mask].mean()), abs=1e-4)
+
+
+def test_bf16_rounding_erases_changes_below_half_a_bf16_step():
+    start = {"w": torch.ones(4), "b": torch.full((2,), 0.5)}
+    # At 1.0 bfloat16's step is 2^-7 (0.0078): +1e-4 and +2e-3 round back to 1.0, +1e-2 does not.
+    policy = {"w": torch.tensor([1.0, 1 + 1e-4, 1 + 1e-2, 1 + 2e-3]), "b": torch.full((2,), 0.5)}
+    f = rounding_figures(policy, start)
+    assert f["changed"] == pytest.approx(3 / 6) and f["erased"] == pytest.approx(2 / 3)
+    assert f["median_relative"] == pytest.approx(2e-3, rel=1e-3)  # the median of w's three changes

@@ -199,3 +199,80 @@ def test_no_logits_to_keep_or_bias_falls_back():
     biased.lm_head.bias = torch.nn.Parameter(torch.randn(V))
     assert lm_head.head_of(biased) is None
     assert_matches(biased, 0.7, 3)
+
+
+def grouped_rollout() -> Rollout:
+    """Groups of 2, 1 and 3 rows sharing a prompt (the first left-padded), responses that differ
+    and one that ended early."""
+    batch = rollout()
+    rows = torch.tensor([0, 0, 1, 2, 2, 2])
+    g = torch.Generator().manual_seed(3)
+    sequences, mask = batch.sequences[rows].clone(), batch.attention_mask[rows].clone()
+    mask[:, P:] = 1
+    mask[4, P + 2 :] = 0
+    sequences[:, P:] = torch.randint(1, V, (len(rows), L), generator=g) * mask[:, P:]
+    mask[[0, 1], :2] = 0
+    sequences[mask == 0] = 0
+    n = len(rows)
+    return Rollout(
+        sequences=sequences,
+        attention_mask=mask,
+        prompt_len=P,
+        response_mask=mask[:, P:].bool(),
+        sampling_logp=torch.zeros(n, L),
+        topk_ids=torch.zeros(n, L, 0, dtype=torch.long),
+        entropy=torch.zeros(n, L),
+        texts=[""] * n,
+        truncated=torch.zeros(n, dtype=torch.bool),
+    )
+
+
+def test_prompt_groups_are_runs_of_equal_prompts():
+    assert lm_head.prompt_groups(grouped_rollout()).tolist() == [2, 1, 3]
+    assert lm_head.prompt_groups(rollout()) is None  # no two neighbours share a prompt
+
+
+def rows_seen(model) -> list[tuple[int, int]]:
+    """(rows, columns) of every backbone pass from now on."""
+    seen = []
+    lm_head.backbone(model).register_forward_pre_hook(
+        lambda _m, args, kwargs: (
+            seen.append(tuple(kwargs["input_ids"].shape))
+            if "input_ids" in kwargs
+            else seen.append(tuple(args[0].shape))
+        ),
+        with_kwargs=True,
+    )
+    return seen
+
+
+@pytest.mark.parametrize("make", [llama, gemma2], ids=["llama", "gemma2-sliding-window"])
+@pytest.mark.parametrize("temperature,k", [(1.0, 0), (0.7, 3)])
+def test_a_groups_prompt_is_computed_once_and_changes_nothing(make, temperature, k):
+    """Values and gradients equal the model's own whole-row logits to float32 rounding (the
+    bound of the whole-row fused head above); a sliding-window model keeps whole rows."""
+    model = build(make)
+    lm_head.response_summary(model, rollout(), ids_of(rollout()), temperature=1.0)  # confirms the head
+    batch, seen = grouped_rollout(), rows_seen(model)
+    ids = torch.cat([batch.responses.unsqueeze(-1), torch.randint(0, V, (6, L, 3))], -1)
+    got = lm_head.response_summary(
+        model, batch, ids, temperature=temperature, topk_self=k, share_prompts=True
+    )
+    shared = make is llama
+    assert seen == ([(3, P), (6, L)] if shared else [(6, P + L)])
+    want = torch.log_softmax(
+        model(input_ids=batch.sequences, attention_mask=batch.attention_mask,
+              position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1 : -1] / temperature,
+        -1,
+    )  # fmt: skip
+    real = batch.response_mask
+    assert torch.allclose(got.logp()[real], want.gather(-1, ids)[real], atol=1e-5, rtol=1e-5)
+    if k:
+        assert torch.equal(got.topk_ids[real], want.topk(k, -1).indices[real])
+    weights = real.unsqueeze(-1).float()
+    for a, b in zip(
+        grads(model, got.logp() * weights), grads(model, want.gather(-1, ids) * weights), strict=True
+    ):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max())  # float32 rounding

@@ -164,6 +164,68 @@ def final_hidden(model: nn.Module, **inputs) -> tuple[Tensor, Head] | None:
     return caught[0], head
 
 
+def prompt_groups(batch: Rollout) -> Tensor | None:
+    """Sizes of the runs of consecutive rows whose prompts (ids and mask) are equal, as a GRPO
+    group's samples are; None when no two neighbours share a prompt."""
+    p = batch.prompt_len
+    ids, mask = batch.sequences[:, :p], batch.attention_mask[:, :p]
+    same = (ids[1:] == ids[:-1]).all(-1) & (mask[1:] == mask[:-1]).all(-1)
+    if p == 0 or not bool(same.any()):
+        return None
+    starts = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(-1)
+    return torch.diff(starts, append=starts.new_tensor([len(ids)]))
+
+
+def _cache_keyword(model: nn.Module) -> str | None:
+    """The forward's name for a KV cache: transformers renamed past_key_values to cache."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((k for k in ("cache", "past_key_values") if k in parameters), None)
+
+
+def _shared_prompt_pass(model: nn.Module, batch: Rollout, groups: Tensor, fused: bool) -> Tensor | None:
+    """The model's outputs at columns P - 1 .. S - 2 (the final hidden states with `fused`, else
+    the logits), each group's prompt computed once: one pass over the distinct prompts fills a KV
+    cache, the cache is repeated to the group's rows, and a second pass runs the responses on it.
+    The same function of the weights as one pass over whole rows, gradients included (they flow
+    through the repeated cache into the prompt pass); with G samples per prompt the prompt's
+    share of the work falls G-fold. None where the model cannot (a cache layer other than full
+    attention's, gradient checkpointing, under which transformers turns the cache off, or FSDP,
+    whose ranks must run the same passes): whole rows then. Dropout, where a model has any,
+    draws one mask per group for its prompt."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    keyword = _cache_keyword(model)
+    if keyword is None or getattr(model, "is_gradient_checkpointing", False) or isinstance(model, FSDPModule):
+        return None  # FSDP: ranks whose micro-batches differ in groups would call different passes
+    cache = DynamicCache(config=model.config)  # the model's own layer kinds (sliding windows...)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None  # only full-attention layers are repeated here
+    p, mask = batch.prompt_len, batch.attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    first = torch.cat([groups.new_zeros(1), groups.cumsum(0)[:-1]])
+    caught = []
+    hook = (
+        backbone(model).register_forward_hook(lambda _m, _a, out: caught.append(_last_hidden(out)))
+        if fused
+        else None
+    )
+    try:
+        out = model(input_ids=batch.sequences[first, :p], attention_mask=mask[first, :p],
+                    position_ids=positions[first, :p], use_cache=True, logits_to_keep=1, **{keyword: cache})  # fmt: skip
+        for layer in cache.layers:
+            layer.keys = layer.keys.repeat_interleave(groups, 0)
+            layer.values = layer.values.repeat_interleave(groups, 0)
+        rest = model(input_ids=batch.sequences[:, p:], attention_mask=mask, position_ids=positions[:, p:],
+                     use_cache=True, logits_to_keep=1 if fused else 0, **{keyword: cache})  # fmt: skip
+    finally:
+        if hook is not None:
+            hook.remove()
+    last, responses = (caught[0][:, -1:], caught[1]) if fused else (out.logits, rest.logits)
+    return torch.cat([last.repeat_interleave(groups, 0), responses[:, :-1]], 1)
+
+
 def response_summary(
     model: nn.Module,
     batch: Rollout,
@@ -172,14 +234,24 @@ def response_summary(
     temperature: float,
     topk_self: int = 0,
     entropy: bool = False,
+    share_prompts: bool = False,
 ) -> topk.Summary:
     """Summary of the model's tempered distribution at every response position, at `ids` [N, L, m]
     (and its entropy, with `entropy`).
 
     The hidden state at column P + t - 1 predicts response token t. A peft model runs as its
     transformers model (its LoRA layers are in it), so its fused head is found the same way.
+    With `share_prompts`, rows that share a prompt (a group) compute it once
+    (`_shared_prompt_pass`), once the model's fused head has been confirmed on a whole-row pass.
     """
     model = unwrap(model)
+    groups = prompt_groups(batch) if share_prompts else None
+    if groups is not None and (model in _CONFIRMED or head_of(model) is None):
+        fused = head_of(model) is not None
+        out = _shared_prompt_pass(model, batch, groups, fused)
+        if out is not None:
+            summarize = head_of(model).summarize if fused else topk.summarize
+            return summarize(out, ids, topk=topk_self, temperature=temperature, entropy=entropy)
     mask = batch.attention_mask
     inputs = {
         "input_ids": batch.sequences,

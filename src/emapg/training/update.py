@@ -75,7 +75,10 @@ def response_logp(
     logp = torch.zeros(n, width, device=batch.sequences.device)
     topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=batch.sequences.device)
     for rows, part, w in each_micro_batch(cfg, batch):
-        s = response_summary(model, part, part.responses.unsqueeze(-1), temperature=temperature, topk_self=k)
+        s = response_summary(
+            model, part, part.responses.unsqueeze(-1), temperature=temperature, topk_self=k,
+            share_prompts=cfg.algo.share_prompts,
+        )  # fmt: skip
         if rows is not None:
             logp[rows, :w], topk_ids[rows, :w] = s.logp()[..., 0], s.topk_ids
     return logp, topk_ids
@@ -182,8 +185,9 @@ def anchor_pass(
             idx = rows_run(rows)
             if head_ids is None:  # forward top-k: q is the anchor's own top-k
                 s = response_summary(
-                    ref_model, part, tokens[idx, :w], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k
-                )
+                    ref_model, part, tokens[idx, :w], temperature=cfg.rollout.temperature, topk_self=cfg.kl.k,
+                    share_prompts=cfg.algo.share_prompts,
+                )  # fmt: skip
                 ids, logp, head_logp = s.topk_ids, s.logp()[..., 0], s.topk_logp
             else:
                 ids = head_ids[idx, :w]
@@ -192,6 +196,7 @@ def anchor_pass(
                     part,
                     torch.cat([tokens[idx, :w], ids], -1),
                     temperature=cfg.rollout.temperature,
+                    share_prompts=cfg.algo.share_prompts,
                 ).logp()
                 logp, head_logp = logp[..., 0], logp[..., 1:]
             if rows is not None:
@@ -212,7 +217,9 @@ def token_losses(
     distribution the token was drawn from (docs/design.md, section 7)."""
     tokens = part.responses.unsqueeze(-1)
     ids = tokens if ref is None else torch.cat([tokens, ref.head_ids], -1)
-    summary = response_summary(model, part, ids, temperature=cfg.rollout.temperature)
+    summary = response_summary(
+        model, part, ids, temperature=cfg.rollout.temperature, share_prompts=cfg.algo.share_prompts
+    )
     logp = summary.logp()[..., 0]
     a = cfg.algo
     ratio = log_ratio(logp, old.logp, part.response_mask, a.ratio_level)

@@ -416,3 +416,35 @@ def test_loss_and_kl_ignore_masked_tokens():
     assert torch.equal(clean_loss, noisy_loss)
     assert all(torch.allclose(a, b, atol=1e-7, rtol=0) for a, b in zip(clean_grads, noisy_grads, strict=True))
     assert any(g.abs().sum() > 0 for g in clean_grads)
+
+
+def test_shared_prompts_give_the_whole_row_gradients_with_fewer_tokens(tmp_path, tiny_model_dir):
+    """Groups of 4 samples of 3 prompts, split into 2 random minibatches of micro-batches of 4:
+    each minibatch's rows are put in order so that a group's rows sit together, and the passes
+    compute its prompt once. The gradients are the whole-row passes' to float32 rounding (the
+    bound of the other micro-batching tests here), on fewer tokens."""
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    torch.manual_seed(1)
+    prompts = [p for p in PROMPTS[:3] for _ in range(4)]
+    batch = sample(model, tokenizer, prompts, max_new_tokens=5, stop=list("0123456789"))
+    advantages = torch.linspace(-1, 1, len(prompts))
+    common = ["kl.beta=0", "anchor.kind=none", "algo.micro_batch_size=4", "algo.minibatches=2"]
+    results = {}
+    for share in ("false", "true"):
+        cfg = config(tmp_path, tiny_model_dir, *common, f"algo.share_prompts={share}")
+        model = load_model_and_tokenizer(tiny_model_dir)[0]
+        tokens = []
+        model.get_decoder().register_forward_pre_hook(
+            lambda _m, _a, kw, tokens=tokens: tokens.append(kw["input_ids"].numel()), with_kwargs=True
+        )
+        grads, stats = _grads_after_update(cfg, model, batch, advantages)
+        results[share] = (
+            grads,
+            stats,
+            sum(tokens[1:]),
+        )  # the first pass keeps whole rows: it confirms the head
+    (want, want_stats, whole), (got, stats, shared) = results["false"], results["true"]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    assert stats == pytest.approx(want_stats, rel=1e-4, abs=1e-8)
+    assert shared < 0.8 * whole

@@ -307,6 +307,8 @@ def update(
         permutation = torch.randperm(local * distributed.world()).chunk(cfg.algo.minibatches)
         for minibatch, rows in enumerate(permutation):
             rows = rows[(rows >= first) & (rows < first + local)] - first
+            if cfg.algo.share_prompts:  # a group's rows side by side: its prompt is computed once
+                rows = rows.sort().values
             run.optimizer.zero_grad(set_to_none=True)
             loss = _backward(
                 cfg, run.model, batch, rows, loss_mask, advantages, old, ref, stats, epoch + minibatch == 0

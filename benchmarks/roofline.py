@@ -42,7 +42,9 @@ head_dim, d_kv = KV heads x head_dim, H the width and V the vocabulary:
 - rollout: F (prefill plus one token per decode step compute what one forward computes); bytes:
   every weight read once per decode step (decode steps = generate calls x the response width)
   plus, per generated token, the KV cache of its prefix (2 x layers x d_kv x context).
-- pi_old pass (when recomputed), anchor pass: F each, no gradient.
+- pi_old pass (when recomputed), anchor pass: F each, no gradient; with algo.share_prompts (the
+  default) these passes and the update's compute each group's prompt once, so their F counts a
+  group's prompt tokens once (the rollout's prefill computes every row's).
 - update: 3F per epoch (the backward is 2x the forward: gradients of activations and of
   weights; the fused LM head also recomputes its logits, 2 H V per response token, and
   train.gradient_checkpointing a whole forward, both counted as overhead); plus AdamW's step,
@@ -72,6 +74,7 @@ import torch
 from torch import nn
 
 from emapg import distributed
+from emapg.model import lm_head
 from emapg.model.lm_head import backbone
 from emapg.model.models import pin_cpu_kernels
 from emapg.rollout import Rollout
@@ -156,11 +159,19 @@ def shape_of(model: nn.Module) -> Shape:
     )
 
 
-def forward_flops(s: Shape, batch: Rollout) -> float:
-    """F of the module docstring: one forward over the batch's real tokens."""
+def forward_flops(s: Shape, batch: Rollout, share_prompts: bool = False) -> float:
+    """F of the module docstring: one forward over the batch's real tokens; with `share_prompts`,
+    each group's prompt tokens once (`lm_head.prompt_groups`), as the passes then run them."""
     n = batch.attention_mask.sum(-1).double()  # real tokens per row: prompt and response
-    attention = s.layers * (2 * s.d_attn * n * (n + 1)).sum()
-    return float(2 * s.linear * n.sum() + attention + 2 * s.hidden * s.vocab * batch.response_mask.sum())
+    p = batch.attention_mask[:, : batch.prompt_len].sum(-1).double()
+    groups = lm_head.prompt_groups(batch) if share_prompts else None
+    once = torch.ones_like(n)  # rows whose prompt is computed
+    if groups is not None:
+        once = torch.zeros_like(n)
+        once[torch.cat([groups.new_zeros(1), groups.cumsum(0)[:-1]])] = 1
+    tokens = (n - p) + once * p
+    attention = s.layers * 2 * s.d_attn * (n * (n + 1) - p * (p + 1) + once * p * (p + 1)).sum()
+    return float(2 * s.linear * tokens.sum() + attention + 2 * s.hidden * s.vocab * batch.response_mask.sum())
 
 
 def rollout_bytes(s: Shape, batch: Rollout, batch_size: int, element: int) -> float:
@@ -175,16 +186,16 @@ def rollout_bytes(s: Shape, batch: Rollout, batch_size: int, element: int) -> fl
 
 def phase_work(cfg, s: Shape, batch: Rollout, anchor_updates: int) -> dict[str, tuple[float, float]]:
     """(FLOP, bytes) each phase must do for this batch."""
-    f = forward_flops(s, batch)
+    f, passes = forward_flops(s, batch), forward_flops(s, batch, cfg.algo.share_prompts)
     element = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
     anchor_element = torch.finfo(getattr(torch, cfg.anchor_dtype)).bits // 8
     optimizer_steps = cfg.algo.epochs * cfg.algo.minibatches
     params = s.weight_bytes / element
     return {
         "rollout": (f, rollout_bytes(s, batch, cfg.rollout.batch_size, element)),
-        "old_logp": (f, s.weight_bytes),
-        "anchor": (f, params * anchor_element),
-        "update": (3 * f * cfg.algo.epochs, 28 * s.trainable * optimizer_steps),
+        "old_logp": (passes, s.weight_bytes),
+        "anchor": (passes, params * anchor_element),
+        "update": (3 * passes * cfg.algo.epochs, 28 * s.trainable * optimizer_steps),
         "ema": (0.0, anchor_updates * params * (2 * anchor_element + element)),
     }
 

@@ -64,6 +64,18 @@ def test_forward_flops_equal_torch_flop_counter_less_what_the_docstring_leaves_o
     assert roofline.forward_flops(roofline.shape_of(model), batch) == counted - rotary - masked
 
 
+def test_shared_prompt_flops_count_each_groups_prompt_once():
+    """Rows 0-2 share a prompt, rows 3-4 another: the whole-row count less the prompt copies'
+    linear layers (2 N_lin a token) and attention over the prompt (4 d_attn (i + 1) a position)."""
+    model = llama(tied=True)
+    shape, batch = roofline.shape_of(model), rollout(rows=5, prompt=6, response=3, vocab=40)
+    batch.sequences[1:3, :6], batch.sequences[4, :6] = batch.sequences[0, :6], batch.sequences[3, :6]
+    copies, p = 2 + 1, 6
+    prompt_cost = 2 * shape.linear * p + shape.layers * 2 * shape.d_attn * p * (p + 1)
+    whole = roofline.forward_flops(shape, batch)
+    assert roofline.forward_flops(shape, batch, share_prompts=True) == whole - copies * prompt_cost
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_shape_of_reads_the_config_and_counts_a_tied_head_once(tied):
     model = llama(tied)  # 4 heads x head_dim 16 = 64, not the width 48: read, not derived

@@ -148,20 +148,27 @@ def final_hidden(model: nn.Module, **inputs) -> tuple[Tensor, Head] | None:
         out = model(**inputs, logits_to_keep=1)
     finally:
         hook.remove()
-    head = head_of(model)
+    if not (len(caught) == 1 and _confirmed(model, caught[0], out.logits)):
+        return None
+    return caught[0], head_of(model)
+
+
+def _confirmed(model: nn.Module, hidden: Tensor, logits: Tensor) -> bool:
+    """At the model's first fused pass, whether its head reproduces the logits the model returned
+    for the last position (then fused from now on; else never again, with a warning)."""
     if model not in _CONFIRMED:
         with torch.no_grad():
-            ok = len(caught) == 1 and _agrees(head, caught[0][:, -1], out.logits[:, -1])
+            ok = _agrees(head_of(model), hidden[:, -1], logits[:, -1])
         if not ok:
             _FORMS[model] = None
             warnings.warn(
                 f"emapg: the fused LM head does not reproduce {type(model).__name__}'s logits; "
                 "using its full logits instead (more memory)",
-                stacklevel=2,
+                stacklevel=3,
             )
-            return None
+            return False
         _CONFIRMED.add(model)
-    return caught[0], head
+    return True
 
 
 def prompt_groups(batch: Rollout) -> Tensor | None:
@@ -191,7 +198,8 @@ def _shared_prompt_pass(model: nn.Module, batch: Rollout, groups: Tensor, fused:
     share of the work falls G-fold. None where the model cannot (a cache layer other than full
     attention's, gradient checkpointing, under which transformers turns the cache off, or FSDP,
     whose ranks must run the same passes): whole rows then. Dropout, where a model has any,
-    draws one mask per group for its prompt."""
+    draws one mask per group for its prompt. The prompt pass confirms a fused head as
+    `final_hidden` does, so a run takes the same path from its first pass (a resumed run too)."""
     from torch.distributed.fsdp import FSDPModule
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -214,6 +222,8 @@ def _shared_prompt_pass(model: nn.Module, batch: Rollout, groups: Tensor, fused:
     try:
         out = model(input_ids=batch.sequences[first, :p], attention_mask=mask[first, :p],
                     position_ids=positions[first, :p], use_cache=True, logits_to_keep=1, **{keyword: cache})  # fmt: skip
+        if fused and not _confirmed(model, caught[0], out.logits):
+            return None  # the head is not the model's: whole rows, full logits
         for layer in cache.layers:
             layer.keys = layer.keys.repeat_interleave(groups, 0)
             layer.values = layer.values.repeat_interleave(groups, 0)
@@ -242,11 +252,11 @@ def response_summary(
     The hidden state at column P + t - 1 predicts response token t. A peft model runs as its
     transformers model (its LoRA layers are in it), so its fused head is found the same way.
     With `share_prompts`, rows that share a prompt (a group) compute it once
-    (`_shared_prompt_pass`), once the model's fused head has been confirmed on a whole-row pass.
+    (`_shared_prompt_pass`).
     """
     model = unwrap(model)
     groups = prompt_groups(batch) if share_prompts else None
-    if groups is not None and (model in _CONFIRMED or head_of(model) is None):
+    if groups is not None:
         fused = head_of(model) is not None
         out = _shared_prompt_pass(model, batch, groups, fused)
         if out is not None:

@@ -22,14 +22,16 @@ BEFORE = json.loads((DATA / "shipped_configs_before.json").read_text())
 # evaluation's additions (issues 27, 28), off unless set, and the search client's limits (issue
 # 29: queries cut at the server's default cap, a busy server retried for ten minutes), and the real
 # model's (issue 39: where GGUF models are converted, no warm start of a pretrained model, the
-# math task's word problems).
+# math task's word problems), and a group's prompt computed once (issue 42: the values the previous
+# build computed, to float32 rounding).
 NEW = {"task.ops": ["+"], "algo.loss": "ppo_clip", "algo.ratio_level": "token", "algo.dual_clip": 3.0,
        "algo.dynamic_sampling": False, "algo.max_sampling_rounds": 10, "algo.overlong_buffer": 0,
        "algo.overlong_penalty": 1.0, "eval.anchor": "auto", "eval.kl": False, "eval.datasets": [],
        "task.max_query_chars": 1000, "task.busy_timeout_s": 600.0, "rollout.mode": "sync",
        "rollout.max_staleness": 1, "rollout.workers": 1, "rollout.remote_workers": 0,
        "rollout.worker_threads": 0, "rollout.address": "127.0.0.1:0", "rollout.worker_timeout_s": 600.0,
-       "model.cache_dir": "~/.cache/emapg", "warmstart.pretrained": False, "task.samples": "word_problems"}  # fmt: skip
+       "model.cache_dir": "~/.cache/emapg", "warmstart.pretrained": False, "task.samples": "word_problems",
+       "algo.share_prompts": True}  # fmt: skip
 
 
 def flat(config: dict) -> dict:

@@ -63,17 +63,23 @@ def rollout() -> Rollout:
     attention_mask = torch.ones(N, P + L, dtype=torch.long)
     attention_mask[1, :2] = 0  # a shorter prompt
     attention_mask[2, P + 3 :] = 0  # a response that ended early
+    return rollout_of(sequences, attention_mask)
+
+
+def rollout_of(sequences, attention_mask) -> Rollout:
+    """A Rollout of these rows ([prompt of P | response of L]), padding zeroed."""
+    n = len(sequences)
     sequences[attention_mask == 0] = 0
     return Rollout(
         sequences=sequences,
         attention_mask=attention_mask,
         prompt_len=P,
         response_mask=attention_mask[:, P:].bool(),
-        sampling_logp=torch.zeros(N, L),
-        topk_ids=torch.zeros(N, L, 0, dtype=torch.long),
-        entropy=torch.zeros(N, L),
-        texts=[""] * N,
-        truncated=torch.zeros(N, dtype=torch.bool),
+        sampling_logp=torch.zeros(n, L),
+        topk_ids=torch.zeros(n, L, 0, dtype=torch.long),
+        entropy=torch.zeros(n, L),
+        texts=[""] * n,
+        truncated=torch.zeros(n, dtype=torch.bool),
     )
 
 
@@ -212,19 +218,7 @@ def grouped_rollout() -> Rollout:
     mask[4, P + 2 :] = 0
     sequences[:, P:] = torch.randint(1, V, (len(rows), L), generator=g) * mask[:, P:]
     mask[[0, 1], :2] = 0
-    sequences[mask == 0] = 0
-    n = len(rows)
-    return Rollout(
-        sequences=sequences,
-        attention_mask=mask,
-        prompt_len=P,
-        response_mask=mask[:, P:].bool(),
-        sampling_logp=torch.zeros(n, L),
-        topk_ids=torch.zeros(n, L, 0, dtype=torch.long),
-        entropy=torch.zeros(n, L),
-        texts=[""] * n,
-        truncated=torch.zeros(n, dtype=torch.bool),
-    )
+    return rollout_of(sequences, mask)
 
 
 def test_prompt_groups_are_runs_of_equal_prompts():

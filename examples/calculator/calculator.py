@@ -126,7 +126,9 @@ def demonstrations(task: CalculatorTask) -> WarmStartRecipe:
 
 register_task(
     "calculator",
-    lambda inputs: CalculatorTask(inputs.task.seed, inputs.task.num_train, inputs.task.num_eval, inputs.task.max_calls),
+    lambda inputs: CalculatorTask(
+        inputs.task.seed, inputs.task.num_train, inputs.task.num_eval, inputs.task.max_calls
+    ),
     CalculatorSettings,
     warm_start=demonstrations,
 )

@@ -168,7 +168,7 @@ def forward_flops(s: Shape, batch: Rollout, share_prompts: bool = False) -> floa
     once = torch.ones_like(n)  # rows whose prompt is computed
     if groups is not None:
         once = torch.zeros_like(n)
-        once[torch.cat([groups.new_zeros(1), groups.cumsum(0)[:-1]])] = 1
+        once[lm_head.group_starts(groups)] = 1
     tokens = (n - p) + once * p
     attention = s.layers * 2 * s.d_attn * (n * (n + 1) - p * (p + 1) + once * p * (p + 1)).sum()
     return float(2 * s.linear * tokens.sum() + attention + 2 * s.hidden * s.vocab * batch.response_mask.sum())

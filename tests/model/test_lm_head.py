@@ -240,7 +240,16 @@ def rows_seen(model) -> list[tuple[int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("make", [llama, gemma2], ids=["llama", "gemma2-sliding-window"])
+def llama_with_bias():
+    """No fused head (a bias): its shared passes return full logits."""
+    model, boost = llama()
+    model.lm_head.bias = torch.nn.Parameter(torch.randn(V))
+    return model, boost
+
+
+@pytest.mark.parametrize(
+    "make", [llama, llama_with_bias, gemma2], ids=["llama", "llama-biased-head", "gemma2-sliding-window"]
+)
 @pytest.mark.parametrize("temperature,k", [(1.0, 0), (0.7, 3)])
 def test_a_groups_prompt_is_computed_once_and_changes_nothing(make, temperature, k):
     """Values and gradients equal the model's own whole-row logits to float32 rounding (the
@@ -252,7 +261,7 @@ def test_a_groups_prompt_is_computed_once_and_changes_nothing(make, temperature,
     got = lm_head.response_summary(
         model, batch, ids, temperature=temperature, topk_self=k, share_prompts=True
     )
-    shared = make is llama
+    shared = make is not gemma2
     assert seen == ([(3, P), (6, L)] if shared else [(6, P + L)])
     want = torch.log_softmax(
         model(input_ids=batch.sequences, attention_mask=batch.attention_mask,

@@ -148,27 +148,25 @@ def final_hidden(model: nn.Module, **inputs) -> tuple[Tensor, Head] | None:
         out = model(**inputs, logits_to_keep=1)
     finally:
         hook.remove()
-    if not (len(caught) == 1 and _confirmed(model, caught[0], out.logits)):
-        return None
-    return caught[0], head_of(model)
-
-
-def _confirmed(model: nn.Module, hidden: Tensor, logits: Tensor) -> bool:
-    """At the model's first fused pass, whether its head reproduces the logits the model returned
-    for the last position (then fused from now on; else never again, with a warning)."""
+    head = head_of(model)
     if model not in _CONFIRMED:
         with torch.no_grad():
-            ok = _agrees(head_of(model), hidden[:, -1], logits[:, -1])
+            ok = len(caught) == 1 and _agrees(head, caught[0][:, -1], out.logits[:, -1])
         if not ok:
             _FORMS[model] = None
             warnings.warn(
                 f"emapg: the fused LM head does not reproduce {type(model).__name__}'s logits; "
                 "using its full logits instead (more memory)",
-                stacklevel=3,
+                stacklevel=2,
             )
-            return False
+            return None
         _CONFIRMED.add(model)
-    return True
+    return caught[0], head
+
+
+def positions_of(mask: Tensor) -> Tensor:
+    """Position ids of left-padded rows: each real token's index among its row's real tokens."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def prompt_groups(batch: Rollout) -> Tensor | None:
@@ -181,6 +179,11 @@ def prompt_groups(batch: Rollout) -> Tensor | None:
         return None
     starts = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(-1)
     return torch.diff(starts, append=starts.new_tensor([len(ids)]))
+
+
+def group_starts(groups: Tensor) -> Tensor:
+    """The first row of each group, from `prompt_groups`' sizes."""
+    return torch.cat([groups.new_zeros(1), groups.cumsum(0)[:-1]])
 
 
 def _cache_keyword(model: nn.Module) -> str | None:
@@ -198,8 +201,9 @@ def _shared_prompt_pass(model: nn.Module, batch: Rollout, groups: Tensor, fused:
     share of the work falls G-fold. None where the model cannot (a cache layer other than full
     attention's, gradient checkpointing, under which transformers turns the cache off, or FSDP,
     whose ranks must run the same passes): whole rows then. Dropout, where a model has any,
-    draws one mask per group for its prompt. The prompt pass confirms a fused head as
-    `final_hidden` does, so a run takes the same path from its first pass (a resumed run too)."""
+    draws one mask per group for its prompt. Both passes run through `final_hidden` with a fused
+    head, so the prompt pass confirms the head and a run takes the same path from its first pass
+    (a resumed run too)."""
     from torch.distributed.fsdp import FSDPModule
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -211,29 +215,27 @@ def _shared_prompt_pass(model: nn.Module, batch: Rollout, groups: Tensor, fused:
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None  # only full-attention layers are repeated here
     p, mask = batch.prompt_len, batch.attention_mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    first = torch.cat([groups.new_zeros(1), groups.cumsum(0)[:-1]])
-    caught = []
-    hook = (
-        backbone(model).register_forward_hook(lambda _m, _a, out: caught.append(_last_hidden(out)))
-        if fused
-        else None
-    )
-    try:
-        out = model(input_ids=batch.sequences[first, :p], attention_mask=mask[first, :p],
-                    position_ids=positions[first, :p], use_cache=True, logits_to_keep=1, **{keyword: cache})  # fmt: skip
-        if fused and not _confirmed(model, caught[0], out.logits):
-            return None  # the head is not the model's: whole rows, full logits
-        for layer in cache.layers:
-            layer.keys = layer.keys.repeat_interleave(groups, 0)
-            layer.values = layer.values.repeat_interleave(groups, 0)
-        rest = model(input_ids=batch.sequences[:, p:], attention_mask=mask, position_ids=positions[:, p:],
-                     use_cache=True, logits_to_keep=1 if fused else 0, **{keyword: cache})  # fmt: skip
-    finally:
-        if hook is not None:
-            hook.remove()
-    last, responses = (caught[0][:, -1:], caught[1]) if fused else (out.logits, rest.logits)
-    return torch.cat([last.repeat_interleave(groups, 0), responses[:, :-1]], 1)
+    positions, first = positions_of(mask), group_starts(groups)
+
+    def forward(ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: int) -> Tensor | None:
+        """One pass on the cache: its final hidden states (fused: `final_hidden`, which also
+        confirms the head at the model's first pass; None if it does not) or its logits (of the
+        last `keep` positions; 0: all)."""
+        inputs = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "use_cache": True, keyword: cache}  # fmt: skip
+        if not fused:
+            return model(**inputs, logits_to_keep=keep).logits
+        out = final_hidden(model, **inputs)
+        return None if out is None else out[0]
+
+    last = forward(batch.sequences[first, :p], mask[first, :p], positions[first, :p], keep=1)
+    if last is None:
+        return None  # the head is not the model's: whole rows, full logits
+    for layer in cache.layers:
+        layer.keys = layer.keys.repeat_interleave(groups, 0)
+        layer.values = layer.values.repeat_interleave(groups, 0)
+    responses = forward(batch.sequences[:, p:], mask, positions[:, p:], keep=0)
+    return torch.cat([last[:, -1:].repeat_interleave(groups, 0), responses[:, :-1]], 1)
 
 
 def response_summary(
@@ -266,7 +268,7 @@ def response_summary(
     inputs = {
         "input_ids": batch.sequences,
         "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "position_ids": positions_of(mask),
     }
     p = batch.prompt_len
     fused = final_hidden(model, **inputs)

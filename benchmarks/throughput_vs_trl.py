@@ -2,8 +2,9 @@
 
 Same model, loaded by both in float32; same prompts, reward, group size, batch and response
 length limit; k3 KL against a frozen reference with the same beta, token-mean loss, one optimiser
-step per rollout, one micro batch, no gradient checkpointing (emapg's default; TRL's is on). The prompts are the task's first `--prompts` training examples,
-all of them at every step on both sides, and the reward is the task's own score, computed in the
+step per rollout, one micro batch, no gradient checkpointing (emapg's default; TRL's is on). The
+prompts are the task's first `--prompts` training examples, all of them at every step on both
+sides, and the reward is the task's own score, computed in the
 measured process on both sides (`task.reward_isolation=inline`: emapg's default puts the math
 grader in a worker process, whose memory VmHWM would miss). TRL's prompt token ids are checked
 against emapg's before its run (`check_prompt_ids`), and its own token count against them at every
@@ -87,7 +88,7 @@ from transformers.utils import logging as hf_logging
 from trl import GRPOConfig, GRPOTrainer
 
 from emapg.model.models import build_tiny_model, build_tiny_tokenizer, model_folder
-from emapg.prompts import encode_prompts
+from emapg.prompts import encode_prompts, uses_chat_template
 from emapg.tasks import Example, Task, make_task
 from emapg.training.config import Config, load_config
 from emapg.training.loop import train
@@ -156,7 +157,7 @@ def make_workload(cfg: Config, tokenizer) -> Workload:
     examples = task.train_examples()
     if len(examples) != cfg.rollout.prompts_per_step:
         sys.exit(f"--prompts {cfg.rollout.prompts_per_step}: the task has only {len(examples)} prompts")
-    chat = cfg.model.chat_template and bool(getattr(tokenizer, "chat_template", None))
+    chat = uses_chat_template(tokenizer, cfg.model.chat_template)
     ids = encode_prompts(tokenizer, [e.prompt for e in examples], cfg.model.chat_template)
     return Workload(task, examples, chat, ids)
 

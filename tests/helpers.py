@@ -152,6 +152,8 @@ class ScriptedLM(LlamaForCausalLM):
 
 
 class DictRetriever:
+    """One fixed passage per query; records the queries it was asked."""
+
     def __init__(self, docs):
         self.docs, self.queries = docs, []
 

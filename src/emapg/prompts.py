@@ -25,6 +25,11 @@ class ChatPrompt(str):
         return ChatPrompt, (list(self.messages),)
 
 
+def uses_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: bool = True) -> bool:
+    """Whether prompts go through the tokenizer's chat template: asked for, and it has one."""
+    return chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], chat_template: bool = True
 ) -> list[list[int]]:
@@ -34,7 +39,7 @@ def encode_prompts(
     messages) plus the generation prompt, and the template writes its own special tokens (BOS
     included); without one it is the plain text with the tokenizer's special tokens.
     """
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    if uses_chat_template(tokenizer, chat_template):
         texts = [
             tokenizer.apply_chat_template(
                 list(p.messages) if isinstance(p, ChatPrompt) else [{"role": "user", "content": p}],

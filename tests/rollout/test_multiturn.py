@@ -125,23 +125,12 @@ def test_multiturn_loop_drives_any_engine_with_exact_masks_rows_and_response_bud
     assert out.truncated.tolist() == [False, False, True]  # only the last one ran out of tokens
 
 
-class ScriptedRetriever:
-    """One fixed passage per query; records the queries it was asked."""
-
-    def __init__(self, docs):
-        self.docs, self.queries = docs, []
-
-    def retrieve(self, queries, topk):
-        self.queries += queries
-        return [[self.docs[q]] for q in queries]
-
-
 def test_search_r1_episode_rules_turn_limit_truncation_invalid_message_and_context_cap():
     """Search-R1's rules: 24 new tokens per turn, inserted text cut to 30 tokens, prompt + episode
     capped at 140 tokens, two rounds with the environment, then a final answer turn."""
     tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)  # one token per character
     docs = {q: {"id": q, "contents": f"{q}\n{q} lives in nube, boss kaso."} for q in ("gida", "nube")}
-    retriever = ScriptedRetriever(docs)
+    retriever = DictRetriever(docs)
     env = SearchEnvironment(
         retriever, docs_per_search=1, max_turns=2, max_observation_tokens=30, max_context=140
     )

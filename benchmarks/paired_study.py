@@ -73,8 +73,9 @@ def main() -> None:
     study, out = STUDIES[args.study], args.out or HERE / "paired_runs" / folder
     budget = [f"train.steps={args.steps}"] if args.steps else []
     runs, walls = {}, {}
-    for arm, extra in study["arms"].items():
-        for seed in range(args.seeds):
+    # Seed-major: a study stopped part-way holds every arm at its first seeds, paired.
+    for seed in range(args.seeds):
+        for arm, extra in study["arms"].items():
             name = f"{arm}-seed{seed}"
             run_one(
                 name,

@@ -172,3 +172,50 @@ def test_checkpoint_never_unpickles_code(tmp_path, tiny_model_dir):
     with pytest.raises(EmapgError, match=f"checkpoint {path} cannot be loaded"):
         checkpoint.load(path, **objects)
     assert not marker.exists()
+
+
+def _save_objects(tiny_model_dir):
+    from emapg.model.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return tokenizer, {"policy": model, "anchor": None, "optimizer": optimizer, "scheduler": scheduler}
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_before_writing(tmp_path, tiny_model_dir, monkeypatch):
+    from emapg.training import checkpoint
+
+    tokenizer, objects = _save_objects(tiny_model_dir)
+    weights = sum(p.numel() * p.element_size() for p in objects["policy"].state_dict().values())
+    real = checkpoint.shutil.disk_usage
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=weights - 1))
+    with pytest.raises(EmapgError, match=r"checkpoint step_3 needs about .* GiB free: free space"):
+        checkpoint.save(tmp_path, 3, tokenizer=tokenizer, state={}, keep=1, **objects)
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary directory
+
+
+@pytest.mark.parametrize("free_after", [0, 1 << 40])
+def test_a_write_that_fills_the_disk_says_so_and_leaves_nothing(
+    tmp_path, tiny_model_dir, monkeypatch, free_after
+):
+    from emapg.training import checkpoint
+
+    tokenizer, objects = _save_objects(tiny_model_dir)
+    saved = checkpoint.save(tmp_path, 1, tokenizer=tokenizer, state={}, keep=1, **objects)
+    real = checkpoint.shutil.disk_usage
+    # Room before the write; the write fails as torch does on a full disk; then `free_after` left.
+    frees = iter([1 << 40, free_after])
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=next(frees)))
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    if free_after == 0:
+        error, message = EmapgError, "the disk filled up while writing checkpoint step_2"
+    else:  # another failure, with room left, is passed on as it is
+        error, message = RuntimeError, "unexpected pos"
+    with pytest.raises(error, match=message):
+        checkpoint.save(tmp_path, 2, tokenizer=tokenizer, state={}, keep=1, **objects)
+    assert [p.name for p in tmp_path.iterdir()] == [saved.name]  # the complete one kept, no partial

@@ -69,6 +69,7 @@ def save(
             keep=keep,
         )
     directory.mkdir(parents=True, exist_ok=True)
+    _check_space(directory, step, _bytes_to_write(policy, anchor, optimizer))
     tmp = Path(tempfile.mkdtemp(dir=directory, prefix=f".tmp-step_{step}-"))
     try:
         if lora.is_peft(policy):  # merged policy/, both adapters under adapters/
@@ -83,9 +84,41 @@ def save(
         )
         _write_state(tmp, step, state)
         return _publish(tmp, directory, step, keep)
-    except BaseException:
+    except BaseException as exc:
+        # Measured before the partial write is removed: a full disk fails inside torch or
+        # safetensors with a message that does not say so (torch: "iostream error").
+        full = isinstance(exc, Exception) and shutil.disk_usage(directory).free < FULL_BYTES
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise EmapgError(
+                f"the disk filled up while writing checkpoint step_{step} under {directory}; the "
+                "partial write is removed and the newest complete checkpoint kept: free space, then resume"
+            ) from exc
         raise
+
+
+# A failed write with less than this left on the disk is reported as a full disk.
+FULL_BYTES = 64 << 20
+
+
+def _bytes_to_write(policy, anchor, optimizer) -> int:
+    """About the checkpoint's size: the policy, the anchor and the optimiser's state tensors."""
+    tensors = list(policy.state_dict().values())
+    if anchor is not None:
+        tensors += anchor.model.state_dict().values()
+    tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _check_space(directory: Path, step: int, needed: int) -> None:
+    """Stop before writing a checkpoint the disk cannot hold (the older ones are deleted only
+    after the new one is complete, so the new one needs room beside them)."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise EmapgError(
+            f"checkpoint step_{step} needs about {needed / 2**30:.2f} GiB and {directory} has "
+            f"{free / 2**30:.2f} GiB free: free space (or lower train.keep_checkpoints), then resume"
+        )
 
 
 def _write_state(tmp: Path, step: int, state: dict) -> None:

@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="for every run (e.g. task.num_eval=400)"
     )
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     config = ["--config", args.config]
     extra = [*config, f"train.save_every={args.save_every}", "train.keep_checkpoints=1", *args.overrides]
     # Zero steps first: the warm start and every cache (a search index) are built outside the runs.

@@ -58,7 +58,7 @@ def main() -> None:
     )
     parser.add_argument("--config", default="smollm2_math", help="a config with a warm start")
     parser.add_argument("overrides", nargs="*", help="key=value settings of both models")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     torch.set_num_threads(1)
     policy = weights(args.config, args.overrides)
     start = weights(args.config, [*args.overrides, "warmstart.pretrained=false"])

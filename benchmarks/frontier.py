@@ -230,7 +230,7 @@ def main() -> None:
     )
     parser.add_argument("--png", type=Path, default=HERE / "frontier.png")
     parser.add_argument("overrides", nargs="*", help="extra key=value for every run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     t0 = time.perf_counter()
     steps = args.steps
     every = [

@@ -183,7 +183,7 @@ def main() -> None:
     parser.add_argument("--png", type=Path, default=HERE / "frontier_smollm2.png")
     parser.add_argument("--config", default=CONFIG, help="the base config (another only for a smoke test)")
     parser.add_argument("overrides", nargs="*", help="extra key=value for every run (a smoke test's sizes)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     cfg = load_config(args.config, args.overrides)
     if args.pilot:
         print(pilot(args, cfg.optim.lr))

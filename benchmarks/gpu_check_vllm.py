@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--sleep", action="store_true", help="build the engine with sleep mode and check it")
     parser.add_argument("--steps", type=int, default=4, help="training steps per engine (0: skip)")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     missing = (
         "no CUDA GPU is visible" if not torch.cuda.is_available()
         else "vLLM is not installed (pip install 'emapg[vllm]')" if importlib.util.find_spec("vllm") is None

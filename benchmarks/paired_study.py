@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training steps per run (default: the config's)")
     parser.add_argument("--out", type=Path, help="where runs go (default: benchmarks/paired_runs/<study>)")
     parser.add_argument("overrides", nargs="*", help="extra key=value for every run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     folder = args.study if args.config == "quickstart" else f"{args.study}-{args.config}"
     study, out = STUDIES[args.study], args.out or HERE / "paired_runs" / folder
     budget = [f"train.steps={args.steps}"] if args.steps else []

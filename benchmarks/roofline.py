@@ -320,7 +320,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="training steps; the first is a warm-up")
     parser.add_argument("--profile", action="store_true", help="then profile one more step's operators")
     parser.add_argument("overrides", nargs="*", help="key=value settings")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first is a warm-up)")
     return args

@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the runs")
     parser.add_argument("--report", action="store_true", help="only print the runs already made")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="for every run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     OUT.mkdir(exist_ok=True)
     if not args.report:
         for seed in args.seeds:  # the conversion and each seed's warm start, outside the timed runs

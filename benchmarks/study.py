@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "study_runs")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
     parser.add_argument("overrides", nargs="*", help="extra key=value for every run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
 
     sections = []
     for task in args.tasks:

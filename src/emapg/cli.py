@@ -508,7 +508,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    parser = build_parser(argv[0] if argv else None)
+    args, rest = parser.parse_known_args(argv)
+    # argparse takes a command's key=value words in one run: those after an option come back here.
+    if rest and hasattr(args, "overrides") and all("=" in w and not w.startswith("-") for w in rest):
+        args.overrides += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         args.func(args)
     except EmapgError as e:

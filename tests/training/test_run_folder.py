@@ -114,6 +114,15 @@ def test_print_config_prints_the_resolved_config(capsys):
     assert printed == json.loads(json.dumps(load_config(None, ["train.steps=7", "kl.k=5"]).model_dump()))
 
 
+def test_overrides_may_come_before_and_after_options(capsys):
+    assert cli.main(["train", "train.steps=7", "--print-config", "kl.k=5", "train.steps=8"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["steps"] == 8 and printed["kl"]["k"] == 5  # in the order given
+    with pytest.raises(SystemExit):
+        cli.main(["train", "train.steps=7", "--print-config", "--no-such-option"])
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
 def test_train_help_shows_what_the_quickstart_runs(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])

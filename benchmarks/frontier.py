@@ -42,7 +42,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from emapg.errors import EmapgError
+from emapg.errors import DivergedError
 from emapg.eval.report import FrontierPoint, Run, collapse, load_run, plot_frontier
 from study import run_one, write_block
 
@@ -86,10 +86,10 @@ def cell_name(anchor: str, estimator: str, beta: float, lr_factor: int) -> str:
 
 def train_cell(name: str, overrides: list[str], out: Path, base: str = "quickstart") -> float:
     """run_one on config `base`, with a run the trainer stops (non-finite steps in a row) recorded
-    as diverged."""
+    as diverged; any other error stops the grid (a full disk is not a result)."""
     try:
         return run_one(name, base, overrides, out)
-    except EmapgError as e:
+    except DivergedError as e:
         (out / name / "failed.json").write_text(json.dumps({"error": str(e)}))
         print(f"{name}: stopped: {e}", flush=True)
         return 0.0

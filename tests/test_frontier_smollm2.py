@@ -7,10 +7,12 @@ import sys
 
 import pytest
 
+from emapg.errors import DivergedError, EmapgError
 from emapg.eval.report import Run
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import frontier  # noqa: E402
 import frontier_smollm2 as fs  # noqa: E402
 
 
@@ -52,3 +54,19 @@ def test_paired_differences_are_per_seed_with_their_spread_and_count():
     assert line == f"| a - b | +0.200, -0.100, +0.100 | {mean:+.3f} ± {std:.3f} | 2/3 |"
     with pytest.raises(ValueError):  # seeds must pair one to one
         fs.paired({"a": results["a"], "b": results["b"][:2]}, [("a - b", "a", "b", "final", "final")])
+
+
+@pytest.mark.parametrize("error", ["diverged", "disk"])
+def test_only_a_diverged_run_is_recorded_as_one(tmp_path, monkeypatch, error):
+    def stops(name, base, overrides, out):
+        (out / name).mkdir(parents=True)
+        raise DivergedError("5 optimiser steps in a row") if error == "diverged" else EmapgError("disk full")
+
+    monkeypatch.setattr(frontier, "run_one", stops)
+    if error == "diverged":
+        assert frontier.train_cell("c-seed0", [], tmp_path) == 0.0
+        assert "5 optimiser steps" in (tmp_path / "c-seed0" / "failed.json").read_text()
+    else:  # not a result of the settings: the grid stops, nothing recorded
+        with pytest.raises(EmapgError, match="disk full"):
+            frontier.train_cell("c-seed0", [], tmp_path)
+        assert not (tmp_path / "c-seed0" / "failed.json").exists()

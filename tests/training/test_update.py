@@ -17,7 +17,7 @@ from safetensors import safe_open
 from emapg.algo import kl
 from emapg.algo.policy_loss import aggregate
 from emapg.algo.rollout_correction import correct
-from emapg.errors import EmapgError
+from emapg.errors import DivergedError
 from emapg.model.anchor import Anchor
 from emapg.model.models import (
     build_tiny_model,
@@ -335,7 +335,7 @@ def test_nan_steps_leave_weights_untouched_and_stop_the_run(tmp_path, tiny_model
         tmp_path, tiny_model_dir, "train.steps=6", "train.save_every=2", "train.eval_every=100",
         "train.max_bad_steps=3", "train.keep_checkpoints=5",
     )  # fmt: skip
-    with pytest.raises(EmapgError, match=r"3 optimiser steps in a row .*train.max_bad_steps=3"):
+    with pytest.raises(DivergedError, match=r"3 optimiser steps in a row .*train.max_bad_steps=3"):
         trainer.train(cfg)
     run = tmp_path / "quickstart"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 
-from emapg.errors import EmapgError
+from emapg.errors import DivergedError
 
 log = logging.getLogger("emapg")
 
@@ -19,7 +19,7 @@ def step_is_finite(state, loss: float, grad_norm: float, max_bad_steps: int) -> 
     """Whether to take the optimiser step; counts skipped steps in `state` (saved with checkpoints).
 
     state.skipped_steps: all skipped so far; state.bad_in_row: the current run of them.
-    Raises EmapgError at `max_bad_steps` in a row.
+    Raises DivergedError at `max_bad_steps` in a row.
     """
     if math.isfinite(loss) and math.isfinite(grad_norm):
         state.bad_in_row = 0
@@ -27,7 +27,7 @@ def step_is_finite(state, loss: float, grad_norm: float, max_bad_steps: int) -> 
     state.skipped_steps += 1
     state.bad_in_row += 1
     if state.bad_in_row >= max_bad_steps:
-        raise EmapgError(
+        raise DivergedError(
             f"{state.bad_in_row} optimiser steps in a row had a non-finite loss or gradient "
             f"(train.max_bad_steps={max_bad_steps}); stopped, the last checkpoint is the last good state"
         )

@@ -86,9 +86,10 @@ def cell_name(anchor: str, estimator: str, beta: float, lr_factor: int) -> str:
 
 def train_cell(name: str, overrides: list[str], out: Path, base: str = "quickstart") -> float:
     """run_one on config `base`, with a run the trainer stops (non-finite steps in a row) recorded
-    as diverged; any other error stops the grid (a full disk is not a result)."""
+    as diverged; any other error stops the grid (a full disk is not a result). The tables read
+    the metrics only: a finished run's checkpoints are deleted."""
     try:
-        return run_one(name, base, overrides, out)
+        return run_one(name, base, overrides, out, keep_checkpoints=False)
     except DivergedError as e:
         (out / name / "failed.json").write_text(json.dumps({"error": str(e)}))
         print(f"{name}: stopped: {e}", flush=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -42,22 +43,28 @@ OWNER = "study.py"
 TASKS = {"arithmetic": ("quickstart", 0.4), "search": ("search_tiny", 0.5)}  # search: warm start ~0.44
 
 
-def run_one(name: str, base: str, overrides: list[str], out: Path) -> float:
+def run_one(name: str, base: str, overrides: list[str], out: Path, keep_checkpoints: bool = True) -> float:
     """Train run `name` (config `base` with `overrides`) under `out` unless it already finished;
     a run stopped part-way resumes from its last checkpoint. Returns its wall time in seconds
-    (0: reused; a resumed run's is that of its last part, marked in wall_time.json)."""
+    (0: reused; a resumed run's is that of its last part, marked in wall_time.json).
+    keep_checkpoints=False deletes a finished run's checkpoints (a real model's take GBs each):
+    wall_time.json's `steps` then says it finished."""
     cfg = load_config(
         base, [*overrides, f"train.name={name}", f"train.output_dir={out}", "train.progress=false"]
     )
     done = list_checkpoints(out / name / "checkpoints")
-    if done and done[-1].name == f"step_{cfg.train.steps}":
+    timing = out / name / "wall_time.json"
+    finished = timing.is_file() and json.loads(timing.read_text()).get("steps") == cfg.train.steps
+    if finished or (done and done[-1].name == f"step_{cfg.train.steps}"):
         return 0.0
     t0 = time.perf_counter()
     train(cfg, resume=bool(done))
     seconds = time.perf_counter() - t0
-    (out / name / "wall_time.json").write_text(
-        json.dumps({"seconds": round(seconds, 1), "resumed": bool(done)})
+    timing.write_text(
+        json.dumps({"seconds": round(seconds, 1), "resumed": bool(done), "steps": cfg.train.steps})
     )
+    if not keep_checkpoints:
+        shutil.rmtree(out / name / "checkpoints")
     print(f"{name}: {seconds:.0f} s", flush=True)
     return seconds
 

@@ -49,6 +49,7 @@ def test_frontier_smoke_grid_table_and_reuse(tmp_path, tiny_model_dir):
     assert "| topk, 0.1 | " in text  # the paired difference against the frozen anchor
     trained = [line for line in first.splitlines() if line.endswith(" s") and "-seed0:" in line]
     assert len(trained) == 6
+    assert not list((tmp_path / "runs").glob("*/checkpoints"))  # the tables read the metrics only
     # Run again: every finished run is reused, nothing trains, the same table comes out.
     metrics = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/metrics.jsonl")}
     second = frontier(tmp_path, tiny_model_dir)

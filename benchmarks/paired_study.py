@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from emapg.eval.report import load_run, summary_table
@@ -73,16 +75,15 @@ def main() -> None:
     study, out = STUDIES[args.study], args.out or HERE / "paired_runs" / folder
     budget = [f"train.steps={args.steps}"] if args.steps else []
     runs, walls = {}, {}
-    # Seed-major: a study stopped part-way holds every arm at its first seeds, paired.
+    # Seed-major: a study stopped part-way holds every arm at its first seeds, paired. Each run in
+    # a fresh process: vLLM on CPU sizes its cache from the memory the process already holds.
+    spawn = multiprocessing.get_context("spawn")
     for seed in range(args.seeds):
         for arm, extra in study["arms"].items():
             name = f"{arm}-seed{seed}"
-            run_one(
-                name,
-                args.config,
-                [*study["shared"], *extra, f"train.seed={seed}", *budget, *args.overrides],
-                out,
-            )
+            settings = [*study["shared"], *extra, f"train.seed={seed}", *budget, *args.overrides]
+            with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
+                fresh.submit(run_one, name, args.config, settings, out).result()
             runs[arm, seed] = load_run(out / name)
             walls[arm, seed] = json.loads((out / name / "wall_time.json").read_text())["seconds"]
     print(summary_table(list(runs.values())))

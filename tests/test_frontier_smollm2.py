@@ -58,7 +58,7 @@ def test_paired_differences_are_per_seed_with_their_spread_and_count():
 
 @pytest.mark.parametrize("error", ["diverged", "disk"])
 def test_only_a_diverged_run_is_recorded_as_one(tmp_path, monkeypatch, error):
-    def stops(name, base, overrides, out):
+    def stops(name, base, overrides, out, **options):
         (out / name).mkdir(parents=True)
         raise DivergedError("5 optimiser steps in a row") if error == "diverged" else EmapgError("disk full")
 

@@ -108,3 +108,19 @@ def test_the_episode_cap_must_fit_the_models_context():
         check_context(cfg, model, tok, examples, task)
     task.max_context = 70
     check_context(cfg, model, tok, examples, task)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        (["rollout.engine=vllm", "rollout.dtype=bfloat16", "algo.old_logp=engine"], True),
+        (["rollout.engine=vllm", "algo.old_logp=engine"], True),  # vLLM's kernels, even in float32
+        (["algo.old_logp=engine"], False),  # hf in the policy's dtype: the engine is the policy
+        (["rollout.engine=vllm", "rollout.dtype=bfloat16"], False),  # auto recomputes
+    ],
+)
+def test_the_engines_pi_old_beside_another_policy_is_warned_about(caplog, overrides, warned):
+    from emapg.training.setup import warn_engine_pi_old
+
+    warn_engine_pi_old(load_config(None, overrides))
+    assert ("algo.old_logp=engine with rollout.engine=" in caplog.text) == warned

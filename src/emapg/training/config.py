@@ -166,11 +166,16 @@ class Config(Section):
         samples with weights up to rollout.max_staleness steps older than the update's."""
         if self.algo.old_logp != "auto":
             return self.algo.old_logp == "recompute"
+        return not self.engine_is_policy
+
+    @property
+    def engine_is_policy(self) -> bool:
+        """Whether the engine's log-probs are the policy's own: the hf engine, in model.dtype, at
+        top_p = 1, sampling synchronously (see recomputes_old_logp)."""
         r = self.rollout
-        same = (
+        return (
             r.engine == "hf" and self.engine_dtype == self.model.dtype and r.top_p == 1 and r.mode == "sync"
         )
-        return not same
 
     def check_world(self, world: int) -> None:
         """What multi-process training (torchrun, `world` processes) supports; one line each."""

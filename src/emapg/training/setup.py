@@ -4,6 +4,7 @@ check that can fail runs here, before any training."""
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import NamedTuple
@@ -29,6 +30,8 @@ from emapg.training.config import Config
 from emapg.training.metrics import MetricsLog
 from emapg.training.optim import make_optimizer
 from emapg.training.run import PromptSampler, Run, initial_weights, make_anchor
+
+log = logging.getLogger("emapg")
 
 
 def load_policy(cfg: Config, task: Task, progress: bool):
@@ -168,10 +171,25 @@ def make_run(cfg: Config, parts: TaskParts, model, tokenizer, engine, device) ->
     )  # fmt: skip
 
 
+def warn_engine_pi_old(cfg: Config) -> None:
+    """algo.old_logp=engine where the engine is not the policy is allowed, and measured harmful."""
+    if cfg.algo.old_logp == "engine" and not cfg.engine_is_policy:
+        log.warning(
+            "algo.old_logp=engine with rollout.engine=%s in %s beside a %s policy: the PPO ratio's "
+            "pi_old is the engine's, and its clip acts on the engine/trainer gap (SmolLM2 through a "
+            "bfloat16 vLLM: 4%% of on-policy tokens clipped, 0.24 less accuracy gained; "
+            "benchmarks/RESULTS.md); algo.old_logp=auto recomputes it",
+            cfg.rollout.engine,
+            cfg.engine_dtype,
+            cfg.model.dtype,
+        )
+
+
 def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     """Task, policy, engine, anchor, optimiser, data and log, restored from the last
     checkpoint when resuming. Every check that can fail runs before any training."""
     cfg.check_world(distributed.world())
+    warn_engine_pi_old(cfg)
     hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
     last = last_checkpoint(cfg, resume)
     if cfg.lora.r:

@@ -1,0 +1,60 @@
+"""benchmarks/paired_study.py at a smoke size: its arms on the same seeds, each run in a fresh
+process, the paired gains it prints against the runs' own metrics, and finished runs reused."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from helpers import ROOT
+
+# Slow: two training runs, each in a child process.
+pytestmark = pytest.mark.slow
+
+
+def study(out, model_dir) -> str:
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "paired_study.py"), "dynamic_sampling", "--seeds", "2",
+        "--steps", "3", "--out", str(out), f"model.path={model_dir}", "task.num_train=64",
+        "task.num_eval=8", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5",
+        "algo.micro_batch_size=16", "eval.samples=2", "train.eval_every=3", "train.threads=1",
+        "train.tensorboard=false",
+    ]  # fmt: skip
+    # Time limit: 4 tiny runs of 3 steps; 600 s is far beyond them on a loaded machine.
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=True).stdout
+
+
+def gain(run_dir) -> float:
+    """Held-out accuracy at the last evaluation minus the first, from metrics.jsonl itself."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    accuracy = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    return accuracy[max(accuracy)] - accuracy[min(accuracy)]
+
+
+def test_paired_study_pairs_arms_by_seed_and_reuses_runs(tmp_path, tiny_model_dir):
+    out = tmp_path / "runs"
+    first = study(out, tiny_model_dir)
+    # Seed-major: every arm at seed 0 before any at seed 1.
+    trained = re.findall(r"^(\w+-seed\d): \d+ s$", first, flags=re.M)
+    assert trained == ["default-seed0", "dynamic-seed0", "default-seed1", "dynamic-seed1"]
+    for seed in (0, 1):
+        configs = [
+            yaml.safe_load((out / f"{arm}-seed{seed}" / "config.yaml").read_text())
+            for arm in ("default", "dynamic")
+        ]
+        assert [c["train"]["seed"] for c in configs] == [seed, seed]
+        assert [c["algo"]["dynamic_sampling"] for c in configs] == [False, True]
+    line = next(
+        line for line in first.splitlines() if line.strip().startswith("dynamic ") and "minus default" in line
+    )
+    printed = [float(d) for d in re.search(r"minus default: ([^(]+) \(", line).group(1).split(", ")]
+    expected = [gain(out / f"dynamic-seed{s}") - gain(out / f"default-seed{s}") for s in (0, 1)]
+    assert printed == pytest.approx(expected, abs=5e-4)  # printed to 3 decimals
+    # Run again: every run is reused, nothing trains, the same table comes out.
+    second = study(out, tiny_model_dir)
+    assert not re.findall(r"-seed\d: \d+ s$", second, flags=re.M)
+    table = [text[text.index("| config") : text.index("wall time per run")] for text in (first, second)]
+    assert table[0] == table[1]

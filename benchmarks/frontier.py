@@ -36,15 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from emapg.errors import DivergedError
 from emapg.eval.report import FrontierPoint, Run, collapse, load_run, plot_frontier
-from study import run_one, write_block
+from study import run_one, run_pool, write_block
 
 HERE = Path(__file__).resolve().parent
 BETAS = [1e-3, 1e-2, 1e-1, 1.0]
@@ -100,7 +98,7 @@ def train_all(
     cells: dict[str, list[str]], seeds: int, out: Path, jobs: int, base: str = "quickstart"
 ) -> None:
     """Every cell on every seed, seed-major: a partial grid holds every cell at its first seeds."""
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with run_pool(jobs) as pool:
         futures = [
             pool.submit(train_cell, f"{name}-seed{seed}", [*overrides, f"train.seed={seed}"], out, base)
             for seed in range(seeds)

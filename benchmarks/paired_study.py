@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from emapg.eval.report import load_run, summary_table
-from study import run_one
+from study import run_one, run_pool
 
 HERE = Path(__file__).resolve().parent
 STUDIES = {
@@ -77,12 +75,11 @@ def main() -> None:
     runs, walls = {}, {}
     # Seed-major: a study stopped part-way holds every arm at its first seeds, paired. Each run in
     # a fresh process: vLLM on CPU sizes its cache from the memory the process already holds.
-    spawn = multiprocessing.get_context("spawn")
     for seed in range(args.seeds):
         for arm, extra in study["arms"].items():
             name = f"{arm}-seed{seed}"
             settings = [*study["shared"], *extra, f"train.seed={seed}", *budget, *args.overrides]
-            with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
+            with run_pool(1) as fresh:
                 fresh.submit(run_one, name, args.config, settings, out).result()
             runs[arm, seed] = load_run(out / name)
             walls[arm, seed] = json.loads((out / name / "wall_time.json").read_text())["seconds"]

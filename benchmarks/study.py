@@ -16,9 +16,13 @@ times per run are then those of a run sharing the machine).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
+import os
 import shutil
+import signal
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -69,6 +73,21 @@ def run_one(name: str, base: str, overrides: list[str], out: Path, keep_checkpoi
     return seconds
 
 
+def run_pool(jobs: int) -> ProcessPoolExecutor:
+    """`jobs` spawned worker processes that die with this one: a study stopped by a signal leaves no
+    run training on (and writing into its run folder) behind it. Create it from the main thread:
+    Linux's parent-death signal follows the thread that started the worker."""
+    spawn = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(jobs, mp_context=spawn, initializer=_die_with, initargs=(os.getpid(),))
+
+
+def _die_with(parent: int) -> None:
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+
+
 def write_block(path: Path, block: str, owner: str = OWNER) -> str:
     """Replace `owner`'s block of `path` (between its two markers), or append it; returns the text."""
     begin, end = (
@@ -104,7 +123,7 @@ def main() -> None:
         grid = [(variant, seed) for variant in VARIANTS for seed in range(args.seeds)]
         names = [f"{task}-{variant}-seed{seed}" for variant, seed in grid]
         budget = [f"train.steps={args.steps}"] if args.steps else []
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with run_pool(args.jobs) as pool:
             futures = [
                 pool.submit(
                     run_one,

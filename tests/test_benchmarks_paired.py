@@ -5,6 +5,8 @@ import json
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -58,3 +60,40 @@ def test_paired_study_pairs_arms_by_seed_and_reuses_runs(tmp_path, tiny_model_di
     assert not re.findall(r"-seed\d: \d+ s$", second, flags=re.M)
     table = [text[text.index("| config") : text.index("wall time per run")] for text in (first, second)]
     assert table[0] == table[1]
+
+
+POOL_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from study import run_pool
+
+if __name__ == "__main__":
+    pool = run_pool(1)
+    print(pool.submit(os.getpid).result(), flush=True)
+    pool.submit(time.sleep, 300)  # a run training on
+    time.sleep(300)
+"""
+
+
+def test_a_killed_study_takes_its_runs_with_it(tmp_path):
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_SCRIPT)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(ROOT / "benchmarks")], stdout=subprocess.PIPE, text=True
+    )
+    worker = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    # Hang limit: the worker is SIGKILLed as its parent dies; without that it would sleep 300 s.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and Path(f"/proc/{worker}").exists() and not zombie(worker):
+        time.sleep(0.1)
+    assert not Path(f"/proc/{worker}").exists() or zombie(worker)
+
+
+def zombie(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return False

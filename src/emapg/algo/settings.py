@@ -59,7 +59,7 @@ class AlgoSettings(Section):
         "auto",
         "pi_old of the PPO ratio and the KL's top-k set: recompute (a no-grad pass of the policy), engine "
         "(the sampling engine's); auto: engine only where it is the policy itself (hf, same dtype, top_p=1). "
-        "The engine's beside a float32 policy cost SmolLM2 0.24 of accuracy gained (benchmarks/RESULTS.md)",
+        "A bfloat16 vLLM's beside a float32 policy cost SmolLM2 0.24 of accuracy gained (benchmarks/RESULTS.md)",
     )
     rollout_correction: Literal[CORRECTIONS] = setting(
         "token_tis",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT
+from helpers import FAST, ROOT
 
 # Slow: two training runs, each in a child process.
 pytestmark = pytest.mark.slow
@@ -20,10 +20,8 @@ pytestmark = pytest.mark.slow
 def study(out, model_dir) -> str:
     command = [
         sys.executable, str(ROOT / "benchmarks" / "paired_study.py"), "dynamic_sampling", "--seeds", "2",
-        "--steps", "3", "--out", str(out), f"model.path={model_dir}", "task.num_train=64",
-        "task.num_eval=8", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=5",
-        "algo.micro_batch_size=16", "eval.samples=2", "train.eval_every=3", "train.threads=1",
-        "train.tensorboard=false",
+        "--steps", "3", "--out", str(out), f"model.path={model_dir}", *FAST, "eval.samples=2",
+        "train.eval_every=3", "train.threads=1",
     ]  # fmt: skip
     # Time limit: 4 tiny runs of 3 steps; 600 s is far beyond them on a loaded machine.
     return subprocess.run(command, capture_output=True, text=True, timeout=600, check=True).stdout

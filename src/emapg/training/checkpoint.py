@@ -102,9 +102,10 @@ FULL_BYTES = 64 << 20
 
 
 def _bytes_to_write(policy, anchor, optimizer) -> int:
-    """About the checkpoint's size: the policy, the anchor and the optimiser's state tensors."""
+    """About the checkpoint's size: the policy, the anchor and the optimiser's state tensors
+    (a LoRA anchor is an adapter inside the policy, already counted with it)."""
     tensors = list(policy.state_dict().values())
-    if anchor is not None:
+    if anchor is not None and not lora.is_peft(policy):
         tensors += anchor.model.state_dict().values()
     tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return sum(t.numel() * t.element_size() for t in tensors)

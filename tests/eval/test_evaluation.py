@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -159,6 +162,28 @@ def test_a_finished_evaluation_is_reused_and_other_settings_stop(twenty_one, tmp
     assert _eval(model_dir, data, tmp_path, "--temperature", "0.5") == 2
     err = capsys.readouterr().err
     assert "holds an evaluation with another settings" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_model_or_data_written_again_at_the_same_path_is_another_evaluation(twenty_one, tmp_path, capsys):
+    """`emapg export` to a folder emptied first, or a data file edited in place: the same paths,
+    but the finished evaluation in --out is of other files and must not be reported as theirs."""
+    model_dir, data = (
+        shutil.copytree(twenty_one[0], tmp_path / "model"),
+        shutil.copy(twenty_one[1], tmp_path),
+    )
+    assert _eval(model_dir, data, tmp_path / "out") == 0
+    weights = next(Path(model_dir).glob("*.safetensors"))
+    later = weights.stat().st_mtime_ns + 10**9
+    os.utime(weights, ns=(later, later))  # written again a second later, same size
+    capsys.readouterr()
+    assert _eval(model_dir, data, tmp_path / "out") == 2
+    assert "another model (its files were written again since)" in capsys.readouterr().err
+    assert _eval(model_dir, data, tmp_path / "out2") == 0
+    with open(data, "a") as f:
+        f.write(json.dumps(PROBLEMS[0]) + "\n")
+    assert _eval(model_dir, data, tmp_path / "out2") == 2
+    assert "another data (a file was written again since)" in capsys.readouterr().err
 
 
 @pytest.mark.slow

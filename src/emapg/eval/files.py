@@ -7,7 +7,8 @@ task's environment when it has one, and graded by the task's guarded scorer. A r
 sampling noise is seeded by its global row over the whole evaluation, so a chunk draws the same
 responses whichever process samples it, and whenever.
 
-In `out`: eval.json (the model, files and settings: a restart must match them), the responses of
+In `out`: eval.json (the model, files and settings, and the size and modification time of each
+file of the model and data: a restart must match them all), the responses of
 each finished chunk appended to responses.part-<rank>.jsonl in one write flushed to disk, merged
 into responses.jsonl at the end (and at a restart, which then samples only the chunks not yet
 written: the results equal an uninterrupted run's). Under torchrun each process samples every
@@ -107,7 +108,8 @@ def run(model_path: str, datasets: dict[str, Dataset], out_dir: str, settings: F
     try:
         out = Path(out_dir)
         identity = {"model": resolved(model_path), "files": {k: resolved(d.file) for k, d in datasets.items()},
-                    "settings": settings.model_dump()}  # fmt: skip
+                    "settings": settings.model_dump(), "model_stamp": stamp(model_path),
+                    "data_stamp": {k: stamp(d.file) for k, d in datasets.items()}}  # fmt: skip
         if distributed.is_main():
             claim(out, identity)
             consolidate(out)
@@ -134,6 +136,23 @@ def resolved(path: str) -> str:
     return str(Path(path).resolve()) if Path(path).exists() else str(path)
 
 
+def stamp(path: str) -> dict[str, list[int]] | None:
+    """Size and modification time of each file of a local model folder or data file: a model
+    exported again to the same folder, or a data file edited in place, is another evaluation
+    (None: a hub name, nothing local to check)."""
+    where = Path(path)
+    if not where.exists():
+        return None
+    files = sorted(f for f in where.iterdir() if f.is_file()) if where.is_dir() else [where]
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+
+
+# How a restart's mismatch is named: the key of eval.json, in words.
+IDENTITY_NAMES = {"model": "model", "files": "data files", "settings": "settings",
+                  "model_stamp": "model (its files were written again since)",
+                  "data_stamp": "data (a file was written again since)"}  # fmt: skip
+
+
 def claim(out: Path, identity: dict) -> None:
     """Start an evaluation in `out`, or continue the one it holds if it is the same."""
     out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +160,7 @@ def claim(out: Path, identity: dict) -> None:
     if path.is_file():
         held = json.loads(path.read_text())
         if held != identity:
-            changed = sorted(k for k in identity if held.get(k) != identity[k])
+            changed = [IDENTITY_NAMES[k] for k in identity if held.get(k) != identity[k]]
             raise EmapgError(
                 f"eval: {out} holds an evaluation with another {' and '.join(changed)}; "
                 "use another --out to start a new one (or delete it)"

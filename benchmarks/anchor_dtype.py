@@ -15,8 +15,9 @@ the last update of each:
   bfloat16 costs with no drift) and KL(P || A_fp32), the size of what the regulariser sees.
 
 Usage: python benchmarks/anchor_dtype.py [--steps 100] [--out DIR] (the run is reused when DIR
-holds it). The per-step relative size of the policy's updates is printed too: drift grows as it
-shrinks, and real LLM runs (lr 1e-6) take far smaller steps than the tiny model.
+holds it, trained with the same settings). The per-step relative size of the policy's updates is
+printed too: drift grows as it shrinks, and real LLM runs (lr 1e-6) take far smaller steps than
+the tiny model.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from emapg.tasks import make_task
 from emapg.training.config import load_config
 from emapg.training.loop import train
 from emapg.training.setup import load_policy
+from study import check_same_settings
 
 SETTINGS = ((0.9, 1), (0.9, 10), (0.95, 10))  # (eta, period): the paper's two, and every step
 
@@ -46,6 +48,7 @@ def trajectory(out: Path, steps: int) -> tuple[Path, list[Path]]:
     ]  # fmt: skip
     cfg = load_config("quickstart", overrides)
     ckpts = [out / cfg.train.name / "checkpoints" / f"step_{s}" / "policy" for s in range(1, steps + 1)]
+    check_same_settings(out / cfg.train.name, cfg.model_dump())  # a kept run of other --steps is not this one
     if not ckpts[-1].is_dir():
         train(cfg)
     start = load_policy(cfg, make_task(cfg.task, cfg.warmstart.cache_dir), progress=False)[2]

@@ -93,7 +93,7 @@ def check_same_settings(run_dir: Path, config: dict) -> None:
     ]
     if changed:
         raise SystemExit(
-            f"{run_dir} was trained under other settings than this study asks for ({'; '.join(changed)}): "
+            f"{run_dir} was trained under other settings than asked for now ({'; '.join(changed)}): "
             "delete it (or pass another --out) to train it afresh"
         )
 

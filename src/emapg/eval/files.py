@@ -144,7 +144,8 @@ def stamp(path: str) -> dict[str, list[int]] | None:
     if not where.exists():
         return None
     files = sorted(f for f in where.iterdir() if f.is_file()) if where.is_dir() else [where]
-    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    stats = {f.name: f.stat() for f in files}
+    return {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
 
 
 # How a restart's mismatch is named: the key of eval.json, in words.

@@ -69,16 +69,19 @@ def save(
             keep=keep,
         )
     directory.mkdir(parents=True, exist_ok=True)
-    _check_space(directory, step, _bytes_to_write(policy, anchor, optimizer))
+    peft = lora.is_peft(policy)
+    # The anchor's own model where it has one: a LoRA run's anchor is an adapter inside the policy.
+    anchor_model = anchor.model if anchor is not None and not peft else None
+    _check_space(directory, step, _bytes_to_write(policy, anchor_model, optimizer))
     tmp = Path(tempfile.mkdtemp(dir=directory, prefix=f".tmp-step_{step}-"))
     try:
-        if lora.is_peft(policy):  # merged policy/, both adapters under adapters/
+        if peft:  # merged policy/, both adapters under adapters/
             lora.save(policy, tmp, _tied_names(lora.unwrap(policy)))
         else:
             policy.save_pretrained(tmp / "policy", safe_serialization=True)
         tokenizer.save_pretrained(tmp / "policy")
-        if anchor is not None and not lora.is_peft(policy):
-            save_model(anchor.model, str(tmp / "anchor.safetensors"))
+        if anchor_model is not None:
+            save_model(anchor_model, str(tmp / "anchor.safetensors"))
         torch.save(
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt"
         )
@@ -101,12 +104,12 @@ def save(
 FULL_BYTES = 64 << 20
 
 
-def _bytes_to_write(policy, anchor, optimizer) -> int:
-    """About the checkpoint's size: the policy, the anchor and the optimiser's state tensors
-    (a LoRA anchor is an adapter inside the policy, already counted with it)."""
+def _bytes_to_write(policy, anchor_model, optimizer) -> int:
+    """About the checkpoint's size: the policy, the anchor's own model (if it has one) and the
+    optimiser's state tensors."""
     tensors = list(policy.state_dict().values())
-    if anchor is not None and not lora.is_peft(policy):
-        tensors += anchor.model.state_dict().values()
+    if anchor_model is not None:
+        tensors += anchor_model.state_dict().values()
     tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -43,8 +43,8 @@ head_dim, d_kv = KV heads x head_dim, H the width and V the vocabulary:
   every weight read once per decode step (decode steps = generate calls x the response width)
   plus, per generated token, the KV cache of its prefix (2 x layers x d_kv x context).
 - pi_old pass (when recomputed), anchor pass: F each, no gradient; with algo.share_prompts (the
-  default) these passes and the update's compute each group's prompt once, so their F counts a
-  group's prompt tokens once (the rollout's prefill computes every row's).
+  default) these passes, the update's and the hf engine's prefill compute each group's prompt
+  once, so their F counts a group's prompt tokens once (vLLM's rollout is counted whole).
 - update: 3F per epoch (the backward is 2x the forward: gradients of activations and of
   weights; the fused LM head also recomputes its logits, 2 H V per response token, and
   train.gradient_checkpointing a whole forward, both counted as overhead); plus AdamW's step,
@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from emapg import distributed
-from emapg.model import lm_head
+from emapg.model import prompt_cache
 from emapg.model.lm_head import backbone
 from emapg.model.models import pin_cpu_kernels
 from emapg.rollout import Rollout
@@ -161,14 +161,14 @@ def shape_of(model: nn.Module) -> Shape:
 
 def forward_flops(s: Shape, batch: Rollout, share_prompts: bool = False) -> float:
     """F of the module docstring: one forward over the batch's real tokens; with `share_prompts`,
-    each group's prompt tokens once (`lm_head.prompt_groups`), as the passes then run them."""
+    each group's prompt tokens once (`prompt_cache.prompt_groups`), as the passes then run them."""
     n = batch.attention_mask.sum(-1).double()  # real tokens per row: prompt and response
     p = batch.attention_mask[:, : batch.prompt_len].sum(-1).double()
-    groups = lm_head.prompt_groups(batch) if share_prompts else None
+    groups = prompt_cache.prompt_groups(*batch.prompts) if share_prompts else None
     once = torch.ones_like(n)  # rows whose prompt is computed
     if groups is not None:
         once = torch.zeros_like(n)
-        once[lm_head.group_starts(groups)] = 1
+        once[prompt_cache.group_starts(groups)] = 1
     tokens = (n - p) + once * p
     attention = s.layers * 2 * s.d_attn * (n * (n + 1) - p * (p + 1) + once * p * (p + 1)).sum()
     return float(2 * s.linear * tokens.sum() + attention + 2 * s.hidden * s.vocab * batch.response_mask.sum())
@@ -192,7 +192,10 @@ def phase_work(cfg, s: Shape, batch: Rollout, anchor_updates: int) -> dict[str, 
     optimizer_steps = cfg.algo.epochs * cfg.algo.minibatches
     params = s.weight_bytes / element
     return {
-        "rollout": (f, rollout_bytes(s, batch, cfg.rollout.batch_size, element)),
+        "rollout": (
+            passes if cfg.rollout.engine == "hf" else f,
+            rollout_bytes(s, batch, cfg.rollout.batch_size, element),
+        ),
         "old_logp": (passes, s.weight_bytes),
         "anchor": (passes, params * anchor_element),
         "update": (3 * passes * cfg.algo.epochs, 28 * s.trainable * optimizer_steps),

@@ -16,6 +16,7 @@ from emapg.cli import build_parser
 from emapg.model.models import build_tiny_model, build_tiny_tokenizer
 from emapg.tasks.math import PROMPT, SAMPLE_EVAL, TINY_EXTRA_CHARS
 from emapg.tasks.math_data import load_problems
+from emapg.training.config import load_config
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -74,6 +75,20 @@ def test_shared_prompt_flops_count_each_groups_prompt_once():
     prompt_cost = 2 * shape.linear * p + shape.layers * 2 * shape.d_attn * p * (p + 1)
     whole = roofline.forward_flops(shape, batch)
     assert roofline.forward_flops(shape, batch, share_prompts=True) == whole - copies * prompt_cost
+
+
+def test_the_hf_engines_rollout_counts_a_groups_prompt_once_and_vllms_every_row():
+    """algo.share_prompts also prefills a group's prompt once in the hf engine (rollout/hf.py);
+    vLLM's rollout is counted whole."""
+    model = llama(tied=True)
+    shape, batch = roofline.shape_of(model), rollout(rows=4, prompt=6, response=3, vocab=40)
+    batch.sequences[1:4, :6] = batch.sequences[0, :6]
+    hf = load_config("quickstart")
+    vllm = hf.model_copy(update={"rollout": hf.rollout.model_copy(update={"engine": "vllm"})})
+    shared, whole = roofline.forward_flops(shape, batch, True), roofline.forward_flops(shape, batch)
+    assert shared < whole
+    assert roofline.phase_work(hf, shape, batch, 0)["rollout"][0] == shared
+    assert roofline.phase_work(vllm, shape, batch, 0)["rollout"][0] == whole
 
 
 @pytest.mark.parametrize("tied", [True, False])

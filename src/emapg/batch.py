@@ -33,6 +33,11 @@ class Rollout:
     def responses(self) -> Tensor:
         return self.sequences[:, self.prompt_len :]
 
+    @property
+    def prompts(self) -> tuple[Tensor, Tensor]:
+        """The left-padded prompts' ids and their attention mask, [N, P] each."""
+        return self.sequences[:, : self.prompt_len], self.attention_mask[:, : self.prompt_len]
+
     def to(self, device: torch.device | str) -> Rollout:
         """This batch with every tensor on `device`."""
         return Rollout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()})

@@ -13,7 +13,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from emapg.model import lm_head
+from emapg.model import lm_head, prompt_cache
 from emapg.rollout import Rollout
 
 V, P, L, N = 61, 4, 5, 3
@@ -222,8 +222,8 @@ def grouped_rollout() -> Rollout:
 
 
 def test_prompt_groups_are_runs_of_equal_prompts():
-    assert lm_head.prompt_groups(grouped_rollout()).tolist() == [2, 1, 3]
-    assert lm_head.prompt_groups(rollout()) is None  # no two neighbours share a prompt
+    assert prompt_cache.prompt_groups(*grouped_rollout().prompts).tolist() == [2, 1, 3]
+    assert prompt_cache.prompt_groups(*rollout().prompts) is None  # no two neighbours share a prompt
 
 
 def rows_seen(model) -> list[tuple[int, int]]:

@@ -4,8 +4,11 @@ batch-invariant sampler (hash against a reference, invariance, frequencies again
 import pytest
 import torch
 
+from emapg.model.lm_head import backbone
 from emapg.model.models import load_model_and_tokenizer
-from emapg.rollout.hf import row_uniforms, splitmix64
+from emapg.prompts import encode_prompts
+from emapg.rollout import SamplingParams
+from emapg.rollout.hf import HFEngine, row_uniforms, splitmix64
 from helpers import sample
 
 
@@ -146,3 +149,63 @@ def test_sampled_tokens_follow_the_tempered_nucleus_policy(tiny_model_dir, tempe
     freq = torch.bincount(out.responses[:, 0], minlength=p.numel()).double() / n
     assert (freq[want == 0] == 0).all()
     assert ((freq - want).abs() <= 4.5 * (want * (1 - want) / n).sqrt() + 1e-12).all()
+
+
+def grouped_prompts() -> list[str]:
+    """Groups of 3, 1 and 4 samples of prompts of different lengths (so some are left-padded)."""
+    return ["34+56="] * 3 + ["7="] + ["1+1="] * 4
+
+
+def with_lora(model):
+    """`model` with a LoRA adapter that changes its outputs (peft starts B at zero)."""
+    from emapg.model.lora import LoraSettings, adapter_params, wrap
+
+    wrapped = wrap(model, LoraSettings(r=4))
+    torch.manual_seed(0)
+    for name, p in adapter_params(wrapped, "policy").items():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return wrapped
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("temperature,topk", [(1.0, 3), (0.7, 0)])
+def test_a_groups_prompt_is_prefilled_once_and_samples_the_same(tiny_model_dir, temperature, topk, lora):
+    """The shared prefill computes each distinct prompt but its last token once, then the rows
+    sample what every row prefilling its own copy samples: the same tokens, and log-probs and
+    entropy to float32 rounding (the 1e-5 bound of the batch-invariance test above, where rows
+    differ only in their left padding). A peft model's adapters apply in the prefill too."""
+    model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
+    if lora:
+        model = with_lora(model)
+    prompts = grouped_prompts()
+    encoded = encode_prompts(tokenizer, prompts, True)
+    width = max(len(p) for p in encoded)
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, topk=topk, seed=5)
+    out = {}
+    for share in (False, True):
+        seen = []
+        hook = backbone(model).register_forward_pre_hook(
+            lambda _m, _a, kw, seen=seen: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
+        out[share] = HFEngine(model, tokenizer, share_prompts=share).sample(encoded, params)
+        hook.remove()
+        # The 3 distinct prompts but their last token once, then generate's passes over all 8
+        # rows: the last prompt token, then one token a step (or whole prompts, then a token a step).
+        assert seen[0] == ((3, width - 1) if share else (8, width))
+        assert all(shape == (8, 1) for shape in seen[1:])
+    whole, shared = out[False], out[True]
+    assert shared.texts == whole.texts
+    assert torch.equal(shared.responses, whole.responses)
+    assert torch.equal(shared.topk_ids, whole.topk_ids)
+    assert torch.allclose(shared.sampling_logp, whole.sampling_logp, atol=1e-5)
+    assert torch.allclose(shared.entropy, whole.entropy, atol=1e-5)
+    # And against a full forward of the sampled rows (the reference of the first test above).
+    with torch.no_grad():
+        mask = shared.attention_mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=shared.sequences, attention_mask=mask, position_ids=positions).logits
+    logp = torch.log_softmax(logits[:, shared.prompt_len - 1 : -1] / temperature, -1)
+    token = logp.gather(-1, shared.responses.unsqueeze(-1)).squeeze(-1)
+    real = shared.response_mask
+    assert torch.allclose(shared.sampling_logp[real], token[real], atol=1e-5)

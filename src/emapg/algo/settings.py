@@ -45,9 +45,10 @@ class AlgoSettings(Section):
     )
     share_prompts: bool = setting(
         True,
-        "compute a group's prompt once in the passes over whole rows (pi_old, anchor, update) and run its "
-        "responses on the cached keys and values: the same values and gradients to float rounding, less "
-        "work and memory; sliding-window models, gradient checkpointing and FSDP keep whole rows",
+        "compute a group's prompt once in the hf engine's prefill and in the passes over whole rows "
+        "(pi_old, anchor, update), and run its responses on the cached keys and values: the same values "
+        "and gradients to float rounding, less work and memory; sliding-window models, gradient "
+        "checkpointing and FSDP keep whole rows",
     )
     mask_overlong: bool = setting(
         False, "leave responses cut at the length limit (no EOS or stop) out of the loss"

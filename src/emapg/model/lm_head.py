@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from emapg.algo import topk
 from emapg.batch import Rollout
+from emapg.model import prompt_cache
 from emapg.model.lora import unwrap
 
 # Config fields that change the logits in a way the fused head does not reproduce (muP-style
@@ -169,53 +170,22 @@ def positions_of(mask: Tensor) -> Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def prompt_groups(batch: Rollout) -> Tensor | None:
-    """Sizes of the runs of consecutive rows whose prompts (ids and mask) are equal, as a GRPO
-    group's samples are; None when no two neighbours share a prompt."""
-    p = batch.prompt_len
-    ids, mask = batch.sequences[:, :p], batch.attention_mask[:, :p]
-    same = (ids[1:] == ids[:-1]).all(-1) & (mask[1:] == mask[:-1]).all(-1)
-    if p == 0 or not bool(same.any()):
-        return None
-    starts = torch.cat([same.new_ones(1), ~same]).nonzero().squeeze(-1)
-    return torch.diff(starts, append=starts.new_tensor([len(ids)]))
-
-
-def group_starts(groups: Tensor) -> Tensor:
-    """The first row of each group, from `prompt_groups`' sizes."""
-    return torch.cat([groups.new_zeros(1), groups.cumsum(0)[:-1]])
-
-
-def _cache_keyword(model: nn.Module) -> str | None:
-    """The forward's name for a KV cache: transformers renamed past_key_values to cache."""
-    parameters = inspect.signature(model.forward).parameters
-    return next((k for k in ("cache", "past_key_values") if k in parameters), None)
-
-
 def _shared_prompt_pass(model: nn.Module, batch: Rollout, groups: Tensor, fused: bool) -> Tensor | None:
     """The model's outputs at columns P - 1 .. S - 2 (the final hidden states with `fused`, else
     the logits), each group's prompt computed once: one pass over the distinct prompts fills a KV
     cache, the cache is repeated to the group's rows, and a second pass runs the responses on it.
     The same function of the weights as one pass over whole rows, gradients included (they flow
-    through the repeated cache into the prompt pass); with G samples per prompt the prompt's
-    share of the work falls G-fold. None where the model cannot (a cache layer other than full
-    attention's, gradient checkpointing, under which transformers turns the cache off, or FSDP,
-    whose ranks must run the same passes): whole rows then. Dropout, where a model has any,
+    through the repeated cache into the prompt pass). None where the model cannot
+    (`prompt_cache.empty_cache`): whole rows then. Dropout, where a model has any,
     draws one mask per group for its prompt. Both passes run through `final_hidden` with a fused
     head, so the prompt pass confirms the head and a run takes the same path from its first pass
     (a resumed run too)."""
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    keyword = _cache_keyword(model)
-    if keyword is None or getattr(model, "is_gradient_checkpointing", False) or isinstance(model, FSDPModule):
-        return None  # FSDP: ranks whose micro-batches differ in groups would call different passes
-    cache = DynamicCache(config=model.config)  # the model's own layer kinds (sliding windows...)
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None  # only full-attention layers are repeated here
+    cache = prompt_cache.empty_cache(model)
+    if cache is None:
+        return None
+    keyword = prompt_cache.cache_keyword(model)
     p, mask = batch.prompt_len, batch.attention_mask
-    positions, first = positions_of(mask), group_starts(groups)
+    positions, first = positions_of(mask), prompt_cache.group_starts(groups)
 
     def forward(ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: int) -> Tensor | None:
         """One pass on the cache: its final hidden states (fused: `final_hidden`, which also
@@ -231,9 +201,7 @@ def _shared_prompt_pass(model: nn.Module, batch: Rollout, groups: Tensor, fused:
     last = forward(batch.sequences[first, :p], mask[first, :p], positions[first, :p], keep=1)
     if last is None:
         return None  # the head is not the model's: whole rows, full logits
-    for layer in cache.layers:
-        layer.keys = layer.keys.repeat_interleave(groups, 0)
-        layer.values = layer.values.repeat_interleave(groups, 0)
+    prompt_cache.repeat_to_groups(cache, groups)
     responses = forward(batch.sequences[:, p:], mask, positions[:, p:], keep=0)
     return torch.cat([last[:, -1:].repeat_interleave(groups, 0), responses[:, :-1]], 1)
 
@@ -257,7 +225,7 @@ def response_summary(
     (`_shared_prompt_pass`).
     """
     model = unwrap(model)
-    groups = prompt_groups(batch) if share_prompts else None
+    groups = prompt_cache.prompt_groups(*batch.prompts) if share_prompts else None
     if groups is not None:
         fused = head_of(model) is not None
         out = _shared_prompt_pass(model, batch, groups, fused)

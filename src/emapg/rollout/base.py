@@ -123,6 +123,7 @@ class EngineNeeds:
     dtype: str  # the engine's weights (model.dtype, or the engine's own rollout.dtype)
     seed: int  # the run's seed (an engine with a generator of its own seeds it so)
     max_logprobs: int  # the most top-k ids recorded per token (the KL's k)
+    share_prompts: bool  # prefill a group's prompt once (algo.share_prompts; the hf engine)
 
 
 @runtime_checkable

@@ -32,6 +32,9 @@ from transformers import (
 
 from emapg import distributed
 from emapg.batch import Rollout, left_pad
+from emapg.model import prompt_cache
+from emapg.model.lm_head import positions_of
+from emapg.model.lora import unwrap
 from emapg.rollout.base import EngineNeeds, RolloutSettings, SamplingParams, eos_ids, with_call_seed
 
 
@@ -138,18 +141,27 @@ class _EndTracker(StoppingCriteria):
 
 def make(settings: RolloutSettings, model, tokenizer, model_dir: str, needs: EngineNeeds) -> HFEngine:
     """The engine `rollout.engine=hf` builds: generate with the live policy module itself."""
-    return HFEngine(model, tokenizer, batch_size=settings.batch_size)
+    return HFEngine(model, tokenizer, batch_size=settings.batch_size, share_prompts=needs.share_prompts)
 
 
 class HFEngine:
     """The rollout engine on Hugging Face `generate` with the KV cache (see the module doc).
 
     It samples with the live policy module itself, so `sync_weights` only points it at the
-    model it is given and copies nothing.
+    model it is given and copies nothing. With `share_prompts`, consecutive rows with the same
+    prompt (a group) prefill it once (`_prompt_cache`).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_size: int = 256):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        batch_size: int = 256,
+        share_prompts: bool = True,
+    ):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.share_prompts = share_prompts
 
     def sync_weights(self, model: PreTrainedModel, version: Hashable) -> None:
         self.model = model
@@ -224,10 +236,28 @@ class HFEngine:
             logits_processor=processors,
             stopping_criteria=[ends],
             synced_gpus=distributed.world() > 1,  # FSDP: every rank runs each forward until all end
+            **self._prompt_cache(ids, mask),
         )
         logp, top, entropy = recorder.finish(out[:, -1])
         length = torch.where(ends.length < 0, out.shape[1] - prompt_len, ends.length)
         return out[:, prompt_len:], logp, top, entropy, length, ends.length < 0
+
+    def _prompt_cache(self, ids: Tensor, mask: Tensor) -> dict:
+        """generate's keyword argument for a KV cache holding every row's prompt but its last
+        token, each group's computed once and repeated to its rows (generate then runs the last
+        token itself, whose logits it needs); {} where the rows share no prompt or the model
+        cannot (`prompt_cache.empty_cache`): generate prefills every row."""
+        groups = prompt_cache.prompt_groups(ids, mask) if self.share_prompts and ids.shape[1] > 1 else None
+        model = unwrap(self.model)  # a peft model's forward takes no cache: its transformers model's does
+        cache = None if groups is None else prompt_cache.empty_cache(model)
+        if cache is None:
+            return {}
+        first, keyword = prompt_cache.group_starts(groups), prompt_cache.cache_keyword(model)
+        prefix = mask[first, :-1]
+        model(input_ids=ids[first, :-1], attention_mask=prefix, position_ids=positions_of(prefix),
+              use_cache=True, logits_to_keep=1, **{keyword: cache})  # fmt: skip
+        prompt_cache.repeat_to_groups(cache, groups)
+        return {keyword: cache}
 
 
 def _assemble(parts: list[tuple], prompt_ids: Tensor, prompt_mask: Tensor, tokenizer) -> Rollout:

@@ -134,7 +134,12 @@ class Config(Section):
     @property
     def engine_needs(self) -> EngineNeeds:
         """What the rollout engine is asked for besides its section."""
-        return EngineNeeds(dtype=self.engine_dtype, seed=self.train.seed, max_logprobs=max(self.kl.k, 1))
+        return EngineNeeds(
+            dtype=self.engine_dtype,
+            seed=self.train.seed,
+            max_logprobs=max(self.kl.k, 1),
+            share_prompts=self.algo.share_prompts,
+        )
 
     @property
     def engine_dtype(self) -> str:

@@ -45,16 +45,19 @@ def empty_cache(model: nn.Module):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    if (
-        cache_keyword(model) is None
-        or getattr(model, "is_gradient_checkpointing", False)
-        or isinstance(model, FSDPModule)
-    ):
+    if cache_keyword(model) is None or checkpointing(model) or isinstance(model, FSDPModule):
         return None
     cache = DynamicCache(config=model.config)
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
     return cache
+
+
+def checkpointing(model: nn.Module) -> bool:
+    """Whether gradient checkpointing is on; asked under transformers' new name where it has one
+    (the old one warns on every call since 5.x)."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
 
 
 def repeat_to_groups(cache, groups: Tensor) -> None:

@@ -22,7 +22,10 @@ importance-weighted):
   (where the two anchors can differ at all).
 Cells run seed-major (a partial grid holds every cell at its first seeds); runs go to
 benchmarks/frontier_smollm2_runs/, a finished run is reused, a stopped one resumes, so the grid
-spans sessions. Per run: the held-out accuracy curve (the policy's and the anchor's), drift KL to
+spans sessions. A finished run's folder (config, metrics, samples, wall time: its checkpoints
+are deleted) is committed, since a new checkout holds only what git does. Every run of the
+grid trains on commit 1c8434e (from a worktree there, `PYTHONPATH=src:benchmarks`): the hf
+engine's shared prefill, added after it, samples the same tokens only up to float rounding. Per run: the held-out accuracy curve (the policy's and the anchor's), drift KL to
 the start, KL to the anchor, entropy, response length and the collapse flag; per cell mean ± std
 over seeds; ema minus frozen paired by seed; the EMA anchor's own accuracy minus its policy's.
 """

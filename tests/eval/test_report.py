@@ -68,6 +68,21 @@ def test_a_run_short_of_its_configs_steps_is_marked_unfinished(tmp_path):
     assert "nfinished" not in summary_table([load_run(done)])
 
 
+def test_a_run_still_short_of_its_steps_has_not_reached_the_threshold_yet(tmp_path):
+    """Below the threshold at its last evaluation, a finished run never reached it; an unfinished
+    one has not reached it yet, and the steps-to column says which (it read "never" for both)."""
+    reached = write_run(tmp_path, "x-s0", rows([0.2, 0.6], [0.1, 0.3]))
+    running = write_run(tmp_path, "x-s1", rows([0.2, 0.4], [0.1, 0.3]))
+    done_below = write_run(tmp_path, "y-s0", rows([0.2, 0.4], [0.1, 0.3]))
+    for run, steps in [(reached, 2), (running, 30), (done_below, 2)]:
+        (run / "config.yaml").write_text(f"train:\n  steps: {steps}\n")
+    both = summary_table([load_run(reached), load_run(running)], threshold=0.5).splitlines()[2]
+    assert both.endswith("| 2 (1/2 reached, 1/2 unfinished) |")
+    alone = summary_table([load_run(running), load_run(done_below)], threshold=0.5).splitlines()
+    assert alone[2].endswith("| not yet (1/1 unfinished) |")
+    assert alone[3].endswith("| never |")
+
+
 def test_alignment_keeps_common_steps_and_smooths_backwards(tmp_path):
     a = load_run(write_run(tmp_path, "g-s0", rows([0, 0], [1.0, 2.0, 3.0])))
     b = load_run(write_run(tmp_path, "g-s1", rows([0, 0], [5.0, 7.0])))

@@ -149,6 +149,20 @@ def collapse(run: Run, window: int = 10) -> str | None:
     return None
 
 
+def _threshold_cell(members: list[Run], threshold: float) -> str:
+    """Mean ± std of the steps to `threshold` over the seeds that reached it. A seed still short
+    of its config's last step has not reached it *yet*: it is counted apart, not as "never"."""
+    n = len(members)
+    steps = {r.name: steps_to_threshold(r, threshold) for r in members}
+    reached = [s for s in steps.values() if s is not None]
+    pending = sum(r.unfinished and steps[r.name] is None for r in members)
+    notes = [f"{len(reached)}/{n} reached"] if reached and len(reached) < n else []
+    notes += [f"{pending}/{n} unfinished"] if pending else []
+    unmet = "not yet" if pending else "never"
+    cell = _fmt(*_mean_std(reached), 0, len(reached)) if reached else unmet
+    return f"{cell} ({', '.join(notes)})" if notes else cell
+
+
 def groups(runs: list[Run]) -> dict[str, list[Run]]:
     out: dict[str, list[Run]] = {}
     for run in runs:
@@ -197,12 +211,7 @@ def summary_table(runs: list[Run], threshold: float | None = None, window: int =
         if mismatch:
             row.append(_fmt_logged([_last(r, "mismatch/kl", window) for r in members], 6))
         if threshold is not None:
-            reached = [s for s in (steps_to_threshold(r, threshold) for r in members) if s is not None]
-            if not reached:
-                row.append("never")
-            else:
-                cell = _fmt(*_mean_std(reached), 0, len(reached))
-                row.append(cell if len(reached) == n else f"{cell} ({len(reached)}/{n} reached)")
+            row.append(_threshold_cell(members, threshold))
         lines.append("| " + " | ".join(row) + " |")
     stopped = [f"{r.name} (step {r.last_step} of {r.planned})" for r in runs if r.unfinished]
     if stopped:

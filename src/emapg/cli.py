@@ -79,11 +79,18 @@ def _sft(args) -> None:
 
     import_user_modules(args.imports)
     cfg = load_config(args.config, args.overrides)
-    if cfg.model.path == "builtin:tiny":
+    builtin = cfg.model.path == "builtin:tiny"
+    if not (builtin or cfg.warmstart.pretrained):
+        # load_policy would load the model as it is, and "ready" would name a warm start never built
+        raise EmapgError(
+            f"emapg sft: model.path={cfg.model.path} is not warm-started under this config "
+            "(set warmstart.pretrained=true to warm-start a pretrained model)"
+        )
+    if builtin:
         pin_cpu_kernels()  # as `emapg train` does, before any CPU kernel runs
     task = make_task(cfg.task, cfg.warmstart.cache_dir)
-    load_policy(cfg, task, progress=cfg.train.progress)
-    print(f"warm start ready (cached under {cfg.warmstart.cache_dir})")
+    *_, folder = load_policy(cfg, task, progress=cfg.train.progress)
+    print(f"warm start ready: {folder}")
 
 
 def _eval(args) -> None:
@@ -296,7 +303,11 @@ def _add_rollout_worker_parser(sub) -> None:
 
 def _add_sft_parser(sub) -> None:
     """`emapg sft`: the cached supervised warm start, without training."""
-    sft = sub.add_parser("sft", help="build (or reuse) the cached supervised warm start of builtin:tiny")
+    sft = sub.add_parser(
+        "sft",
+        help="build (or reuse) the cached supervised warm start of a config's model "
+        "(builtin:tiny, or a pretrained one with warmstart.pretrained=true)",
+    )
     _add_config_arguments(sft)
     sft.set_defaults(func=_sft)
 

@@ -208,6 +208,19 @@ def test_cli_warm_start_runs_pinned_cpu_kernels(tmp_path: Path) -> None:
     assert _cli_warm_start(tmp_path / "user", {"ATEN_CPU_CAPABILITY": "default"})["cpu_kernels"] == "DEFAULT"
 
 
+def test_cli_sft_refuses_a_model_its_config_does_not_warm_start(
+    tmp_path: Path, tiny_model_dir: str, capsys
+) -> None:
+    """A pretrained model.path without warmstart.pretrained has no warm start: `emapg sft` said
+    "warm start ready" after loading the model as it was. It now stops first, with one line."""
+    from emapg.cli import main
+
+    assert main(["sft", f"model.path={tiny_model_dir}", f"warmstart.cache_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "warmstart.pretrained=true" in err
+    assert list(tmp_path.iterdir()) == []  # nothing built, nothing loaded
+
+
 def test_sft_masks_inserted_information():
     tok = build_tiny_tokenizer(TINY_EXTRA_CHARS)
     segments = [

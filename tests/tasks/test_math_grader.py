@@ -430,3 +430,35 @@ def test_boxed_grading_never_raises_and_is_zero_or_one(response, reference):
 def test_the_last_boxed_integer_is_graded_right(n, before, space):
     assert score(f"{before} \\boxed{{{n + 1}}} then \\boxed{{{space}{n}{space}}}", str(n)) == 1.0
     assert score(f"{before} \\boxed{{{n}}} then \\boxed{{{n + 1}}}", str(n)) == 0.0
+
+
+def test_deadlines_that_fall_as_blocks_end_neither_deadlock_nor_escape():
+    """Four threads run blocks whose deadlines (1 ms to 1 us) fall as the blocks end, for 2 s.
+    The watchdog's lock was a Condition, whose Python-level __enter__ could take an OutOfTime
+    just after acquiring it: the lock stayed held and every later grade hung (three of four
+    threads stuck within 5 s here, and the full suite hung in a grader test). No thread may
+    hang, and no OutOfTime may escape past its block."""
+    stop, escaped = threading.Event(), []
+
+    def work():
+        i = 0
+        try:
+            while not stop.is_set():
+                try:
+                    with math_grader._time_limit(10.0 ** -(3 + i % 4)):
+                        sum(range(200 * (i % 7)))
+                except math_grader.OutOfTime:
+                    pass
+                i += 1
+        except math_grader.OutOfTime:
+            escaped.append(i)
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(4)]  # a hang must not block exit
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=LIMIT_S)
+    assert not any(thread.is_alive() for thread in threads)
+    assert escaped == []

@@ -56,6 +56,7 @@ import ctypes
 import functools
 import logging
 import math
+import queue
 import re
 import threading
 import time
@@ -279,7 +280,11 @@ class OutOfTime(BaseException):
 _set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
 _deadlines: dict[int, float] = {}  # grading thread -> its time.monotonic() deadline
 _fired: set[int] = set()  # grading threads sent OutOfTime, until their block ends
-_watch = threading.Condition()
+# A plain lock, not a Condition: `with` on it acquires in C, so an OutOfTime arriving then lands
+# inside the block, whose exit releases it. A Condition's Python-level __enter__ could take the
+# exception just after acquiring, and the lock stayed held: every later grade deadlocked.
+_lock = threading.Lock()
+_wake: queue.SimpleQueue = queue.SimpleQueue()  # C-level put, for the same reason
 _watchdog: threading.Thread | None = None
 
 
@@ -290,22 +295,24 @@ def _time_limit(seconds: float):
     Any thread, unlike signal.alarm: one watchdog thread asks the interpreter to raise the
     exception in the late thread (PyThreadState_SetAsyncExc), which happens at its next
     bytecode, as a signal handler's would. One thread for all calls, not a timer each: starting
-    a thread costs more than grading an integer. An exception sent as the block ends is taken
-    back under the lock, so it never escapes past the block."""
+    a thread costs more than grading an integer. The watchdog fires only under the lock, and an
+    exception sent as the block ends is taken back under it, so it does not escape the block
+    (one that lands before that is an OutOfTime of the block, as the deadline had passed)."""
     global _watchdog
     me = threading.get_ident()
-    with _watch:
+    with _lock:
         if _watchdog is None or not _watchdog.is_alive():  # the first call, or after a fork
             _watchdog = threading.Thread(target=_watch_deadlines, name="math-grader-watchdog", daemon=True)
             _watchdog.start()
         _fired.discard(me)
         _deadlines[me] = deadline = time.monotonic() + seconds
-        if deadline <= min(_deadlines.values()):  # the watchdog may be waiting for a later one
-            _watch.notify()
+        earliest = deadline <= min(_deadlines.values())
+    if earliest:  # the watchdog may be waiting for a later one
+        _wake.put(None)
     try:
         yield
     finally:
-        with _watch:
+        with _lock:
             _deadlines.pop(me, None)
             if me in _fired:  # raised already, or pending: then dropped here
                 _fired.discard(me)
@@ -313,15 +320,17 @@ def _time_limit(seconds: float):
 
 
 def _watch_deadlines() -> None:
-    with _watch:
-        while True:
+    while True:
+        with _lock:
             now = time.monotonic()
             for thread, deadline in list(_deadlines.items()):
                 if deadline <= now:
                     del _deadlines[thread]  # one exception per block
                     _fired.add(thread)
                     _set_async_exc(ctypes.c_ulong(thread), ctypes.py_object(OutOfTime))
-            _watch.wait(min(_deadlines.values(), default=now + 60) - now)
+            wait = min(_deadlines.values(), default=now + 60) - now
+        with contextlib.suppress(queue.Empty):
+            _wake.get(timeout=wait)
 
 
 def _guard(expr) -> str | None:

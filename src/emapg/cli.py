@@ -75,18 +75,17 @@ def _sft(args) -> None:
     from emapg.model.models import pin_cpu_kernels
     from emapg.tasks import make_task
     from emapg.training.config import load_config
-    from emapg.training.setup import load_policy
+    from emapg.training.setup import load_policy, warm_started
 
     import_user_modules(args.imports)
     cfg = load_config(args.config, args.overrides)
-    builtin = cfg.model.path == "builtin:tiny"
-    if not (builtin or cfg.warmstart.pretrained):
+    if not warm_started(cfg):
         # load_policy would load the model as it is, and "ready" would name a warm start never built
         raise EmapgError(
             f"emapg sft: model.path={cfg.model.path} is not warm-started under this config "
             "(set warmstart.pretrained=true to warm-start a pretrained model)"
         )
-    if builtin:
+    if cfg.model.path == "builtin:tiny":
         pin_cpu_kernels()  # as `emapg train` does, before any CPU kernel runs
     task = make_task(cfg.task, cfg.warmstart.cache_dir)
     *_, folder = load_policy(cfg, task, progress=cfg.train.progress)

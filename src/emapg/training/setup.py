@@ -34,6 +34,12 @@ from emapg.training.run import PromptSampler, Run, initial_weights, make_anchor
 log = logging.getLogger("emapg")
 
 
+def warm_started(cfg: Config) -> bool:
+    """Whether the config's model is warm-started first: builtin:tiny always, a pretrained one
+    with warmstart.pretrained."""
+    return cfg.model.path == "builtin:tiny" or cfg.warmstart.pretrained
+
+
 def load_policy(cfg: Config, task: Task, progress: bool):
     """The policy model and tokenizer, and the directory they load from: a GGUF file's cached
     Hugging Face folder, and the cached warm start (builtin:tiny, or warmstart.pretrained),
@@ -42,7 +48,7 @@ def load_policy(cfg: Config, task: Task, progress: bool):
     path, builtin = cfg.model.path, cfg.model.path == "builtin:tiny"
     with distributed.main_first():  # rank 0 converts and warm-starts (cached), the others load
         path = model_folder(path, cfg.model.cache_dir, progress=progress and distributed.is_main())
-        if builtin or cfg.warmstart.pretrained:
+        if warm_started(cfg):
             from emapg.training.sft import warm_start
 
             w = cfg.warmstart

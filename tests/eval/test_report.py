@@ -83,6 +83,16 @@ def test_a_run_still_short_of_its_steps_has_not_reached_the_threshold_yet(tmp_pa
     assert alone[3].endswith("| never |")
 
 
+def test_a_run_that_logged_no_step_yet_shows_a_dash_not_nan(tmp_path):
+    """Just started (only its step-0 evaluation): no reward or KL yet, so "-", as in the other
+    columns (it read "nan"); beside a seed that has logged, the figure is that seed's alone."""
+    started = write_run(tmp_path, "x-s0", [{"step": 0, "eval/accuracy": 0.2}])
+    assert summary_table([load_run(started)]).splitlines()[2] == "| x | 1 | 0.200 | 0.200 | - | - |"
+    logged = write_run(tmp_path, "x-s1", rows([0.2, 0.4], [0.1, 0.3]))
+    both = summary_table([load_run(started), load_run(logged)]).splitlines()[2]
+    assert both.endswith("| 0.200 | 0.0150 |")
+
+
 def test_alignment_keeps_common_steps_and_smooths_backwards(tmp_path):
     a = load_run(write_run(tmp_path, "g-s0", rows([0, 0], [1.0, 2.0, 3.0])))
     b = load_run(write_run(tmp_path, "g-s1", rows([0, 0], [5.0, 7.0])))

@@ -205,8 +205,8 @@ def summary_table(runs: list[Run], threshold: float | None = None, window: int =
             _fmt(*_mean_std(first), 3, n) if first else "-",
             after + (f" ({unfinished}/{n} unfinished)" if unfinished else ""),
             *([_fmt_logged([_final(r, ANCHOR_ACCURACY) for r in members], 3)] if anchored else []),
-            _fmt(*_mean_std([_last(r, "reward/mean", window) for r in members]), 3, n),
-            _fmt(*_mean_std([_last(r, "kl/value", window) for r in members]), 4, n),
+            _fmt_logged([_last(r, "reward/mean", window) for r in members], 3),
+            _fmt_logged([_last(r, "kl/value", window) for r in members], 4),
         ]
         if mismatch:
             row.append(_fmt_logged([_last(r, "mismatch/kl", window) for r in members], 6))

@@ -33,6 +33,7 @@ over seeds; ema minus frozen paired by seed; the EMA anchor's own accuracy minus
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -136,6 +137,18 @@ def paired(results: dict[str, list[dict]], pairs: list[tuple[str, str, str]]) ->
     return "\n".join(lines) + "\n"
 
 
+def grid_time(out: Path, names: list[str]) -> str:
+    """What the grid cost, in words: the sum of the runs' own wall times (wall_time.json), and
+    which parts of it that sum leaves out (a resumed run records its last part; a diverged run
+    records none)."""
+    timings = [json.loads(p.read_text()) for p in (out / n / "wall_time.json" for n in names) if p.is_file()]
+    seconds = sum(t["seconds"] for t in timings)
+    text = f"the {len(timings)} runs that finished took {seconds:.0f} s, {seconds / 3600:.1f} h, in all"
+    resumed, untimed = sum(t["resumed"] for t in timings), len(names) - len(timings)
+    text += f"; {resumed} resumed, their earlier parts not counted" if resumed else ""
+    return text + (f"; {untimed} stopped (diverged), not timed" if untimed else "")
+
+
 def grid(args: argparse.Namespace, base_lr: float, steps: int) -> str:
     if BINDING_BETA is None:
         raise SystemExit("BINDING_BETA is not fixed yet: run --pilot and write its answer in first")
@@ -146,6 +159,7 @@ def grid(args: argparse.Namespace, base_lr: float, steps: int) -> str:
     t0 = time.perf_counter()
     train_all(cells, SEEDS, args.out, args.jobs, args.config)
     names = {name: [f"{name}-seed{s}" for s in range(SEEDS)] for name in cells}
+    cost = grid_time(args.out, [r for members in names.values() for r in members])
     results = {name: [summarize(args.out, r) for r in runs] for name, runs in names.items()}
     runs = {name: [load_run(args.out / r) for r in members] for name, members in names.items()}
     plot([r for members in runs.values() for r in members], args.png, smooth=5).clf()
@@ -163,7 +177,7 @@ def grid(args: argparse.Namespace, base_lr: float, steps: int) -> str:
     return (
         "## What the EMA anchor does to a real model (SmolLM2-135M-Instruct, sums)\n\n"
         f"Regenerate with `python benchmarks/frontier_smollm2.py` ({time.perf_counter() - t0:.0f} s of wall"
-        " time for this invocation; finished runs are reused). The pilot's table (`--pilot`) fixed"
+        f" time for this invocation; finished runs are reused; {cost}). The pilot's table (`--pilot`) fixed"
         f" kl.beta {BINDING_BETA:g} as the beta where the KL binds. {SEEDS} seeds, {steps} steps a run,"
         " mean ± std over seeds. Columns as in the tiny model's grid above. Picture:"
         f" `benchmarks/{args.png.name}`.\n\n"

@@ -56,6 +56,19 @@ def test_paired_differences_are_per_seed_with_their_spread_and_count():
         fs.paired({"a": results["a"], "b": results["b"][:2]}, [("a - b", "a", "b", "final", "final")])
 
 
+def test_grid_time_sums_the_runs_own_wall_times_and_says_what_it_leaves_out(tmp_path):
+    for name, timing in [("a", '{"seconds": 1800.0, "resumed": false, "steps": 30}'),
+                         ("b", '{"seconds": 1800.0, "resumed": true, "steps": 30}')]:  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "wall_time.json").write_text(timing)
+    (tmp_path / "c").mkdir()  # diverged: failed.json, no wall time
+    assert fs.grid_time(tmp_path, ["a"]) == "the 1 runs that finished took 1800 s, 0.5 h, in all"
+    assert fs.grid_time(tmp_path, ["a", "b", "c"]) == (
+        "the 2 runs that finished took 3600 s, 1.0 h, in all; 1 resumed, their earlier parts not"
+        " counted; 1 stopped (diverged), not timed"
+    )
+
+
 @pytest.mark.parametrize("error", ["diverged", "disk"])
 def test_only_a_diverged_run_is_recorded_as_one(tmp_path, monkeypatch, error):
     def stops(name, base, overrides, out, **options):

@@ -33,7 +33,6 @@ over seeds; ema minus frozen paired by seed; the EMA anchor's own accuracy minus
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from pathlib import Path
 from emapg.eval.report import load_run, plot
 from emapg.training.config import load_config
 from frontier import SHARED, cell_name, cell_overrides, summarize, table, train_all
-from study import write_block
+from study import timings, write_block
 
 HERE = Path(__file__).resolve().parent
 CONFIG = "smollm2_math"
@@ -141,10 +140,10 @@ def grid_time(out: Path, names: list[str]) -> str:
     """What the grid cost, in words: the sum of the runs' own wall times (wall_time.json), and
     which parts of it that sum leaves out (a resumed run records its last part; a diverged run
     records none)."""
-    timings = [json.loads(p.read_text()) for p in (out / n / "wall_time.json" for n in names) if p.is_file()]
-    seconds = sum(t["seconds"] for t in timings)
-    text = f"the {len(timings)} runs that finished took {seconds:.0f} s, {seconds / 3600:.1f} h, in all"
-    resumed, untimed = sum(t["resumed"] for t in timings), len(names) - len(timings)
+    timed = timings(out, names)
+    seconds = sum(t["seconds"] for t in timed)
+    text = f"the {len(timed)} runs that finished took {seconds:.0f} s, {seconds / 3600:.1f} h, in all"
+    resumed, untimed = sum(t["resumed"] for t in timed), len(names) - len(timed)
     text += f"; {resumed} resumed, their earlier parts not counted" if resumed else ""
     return text + (f"; {untimed} stopped (diverged), not timed" if untimed else "")
 

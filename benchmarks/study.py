@@ -77,6 +77,13 @@ def run_one(name: str, base: str, overrides: list[str], out: Path, keep_checkpoi
     return seconds
 
 
+def timings(out: Path, names: list[str]) -> list[dict]:
+    """The wall_time.json of each named run that has one (as run_one wrote it; a run stopped
+    before it finished has none)."""
+    files = (out / name / "wall_time.json" for name in names)
+    return [json.loads(f.read_text()) for f in files if f.is_file()]
+
+
 # Where a run's folder is and how it reports: a grid's folder may be moved and still reused.
 PLACE = {"train.output_dir", "train.progress"}
 
@@ -162,8 +169,7 @@ def main() -> None:
             for future in futures:
                 future.result()  # re-raises a run's error
         runs = [load_run(args.out / n) for n in names]
-        timed = [args.out / n / "wall_time.json" for n in names]
-        walls = [json.loads(p.read_text())["seconds"] for p in timed if p.is_file()] or [0.0]
+        walls = [t["seconds"] for t in timings(args.out, names)] or [0.0]
         png = HERE / f"study_{task}.png"
         plot(runs, png)
         steps = max(runs[0].series["eval/accuracy"])

@@ -127,7 +127,8 @@ def summarize(out: Path, name: str) -> dict:
         "best": max(acc.values()),
         "anchor_acc": final("eval/anchor/accuracy"),
         "drift": final("eval/drift_kl"),
-        "kl": math.nan if name.startswith("none-") else last("kl/value"),  # no anchor: no KL
+        # no anchor, no KL: the committed runs of such cells logged a KL of 0.0 (the trainer has logged none since)
+        "kl": math.nan if name.startswith("none-") else last("kl/value"),
         "entropy": last("entropy"),
         "length": last("response_length/mean"),
         "collapse": "diverged" if failed else collapse(run),

@@ -27,7 +27,7 @@ def test_no_anchor_is_built_or_run_without_kl(tmp_path, tiny_model_dir, monkeypa
         json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in records] == [0, 1, 2]
-    assert all(r["kl/value"] == 0.0 and r["anchor/updates"] == 0 for r in records[1:])
+    assert all("kl/value" not in r and r["anchor/updates"] == 0 for r in records[1:])  # no KL, not 0
     assert result["accuracy_after"] == records[-1]["eval/accuracy"]
 
 

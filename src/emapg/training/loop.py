@@ -259,8 +259,11 @@ def train_loop(run: Run) -> dict:
             record.update({"eval/accuracy": state.accuracy, **eval_metrics})
         if run.log:
             run.log.log(record)
+        kl = record.get("kl/value")  # absent without an anchor
         bar.set_postfix(
-            reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl/value']:.2e}", acc=f"{state.accuracy:.3f}"
+            reward=f"{record['reward/mean']:.3f}",
+            kl="-" if kl is None else f"{kl:.2e}",
+            acc=f"{state.accuracy:.3f}",
         )
         if step % cfg.train.save_every == 0 or step == cfg.train.steps:
             run.save(step)

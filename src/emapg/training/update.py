@@ -270,13 +270,13 @@ class _Stats:
             dev = torch.where(mask, (log_ratio.exp() - 1).abs(), 0.0).max().double()
             self.first_ratio_dev = torch.maximum(self.first_ratio_dev, dev)
 
-    def reduced(self) -> dict:
-        """Means over every process's tokens."""
+    def reduced(self, anchored: bool) -> dict:
+        """Means over every process's tokens; without an anchor there is no KL to log (not 0)."""
         policy, kl_sum, clipped, count, first_clipped, first_count = distributed.sum_all(*self.sums.tolist())
         tokens = max(count, 1.0)
         return {
             "loss/policy": policy / tokens,
-            "kl/value": kl_sum / tokens,
+            **({"kl/value": kl_sum / tokens} if anchored else {}),
             "clip_frac": clipped / tokens,
             "clip_frac/first_minibatch": first_clipped / max(first_count, 1.0),
             "ppo_ratio/first_minibatch_max_dev": distributed.max_one(float(self.first_ratio_dev)),
@@ -314,7 +314,7 @@ def update(
                 cfg, run.model, batch, rows, loss_mask, advantages, old, ref, stats, epoch + minibatch == 0
             )
             _optimizer_step(run, loss, stats, timer)
-    return stats.reduced()
+    return stats.reduced(anchored=ref is not None)
 
 
 def _backward(

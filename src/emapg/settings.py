@@ -78,12 +78,12 @@ def existing_paths(paths: list[str], where: str) -> None:
         check(exists(path), f"{where}: {path!r} does not exist")
 
 
-def suggest(name: str, options) -> str:
+def suggest(name: str, options, prefix: str = "") -> str:
     """The option that extends `name` (a renamed value: seq_mean -> seq_mean_token_mean), else the
-    closest spelling, as a hint."""
+    closest spelling, as a hint; `prefix` makes it the name to type (`kl.` + `k`)."""
     longer = [o for o in options if str(o).startswith(name)] if name else []
     close = longer or difflib.get_close_matches(name, [str(o) for o in options], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return f" (did you mean {prefix + str(close[0])!r}?)" if close else ""
 
 
 def one_line(error: ValidationError, prefix: str, names: dict[str, str] | None = None) -> EmapgError:

@@ -46,7 +46,7 @@ def test_grpo_and_ema_pg_differ_only_in_anchor_kl_and_name():
 
 
 BAD = [
-    (["kl.kk=3"], "unknown config key 'kl.kk' (did you mean 'k'?)"),
+    (["kl.kk=3"], "unknown config key 'kl.kk' (did you mean 'kl.k'?)"),  # the key as it is typed
     (["kll.k=3"], "unknown config section 'kll' (did you mean 'kl'?)"),
     (["kl.k=abc"], "kl.k: input should be a valid integer; got 'abc'"),
     (["kl.k=-1"], "kl.k: input should be greater than or equal to 0; got -1"),
@@ -56,6 +56,11 @@ BAD = [
     (["rollout.group_size=1"], "rollout.group_size=1 has no groups for algo.advantage=grpo"),
     (["kl.beta=0"], "anchor.kind=none goes with kl.beta=0"),
     (["train.steps"], "override 'train.steps': expected key=value"),
+    (
+        ["output_dir=runs"],
+        "override 'output_dir=runs': expected section.key=value (did you mean 'train.output_dir'?)",
+    ),
+    (["seed=1"], "(did you mean 'task.seed' or 'train.seed'?)"),
     (["algo.minibatches=3"], "algo.minibatches=3 must divide the 256 sequences"),
 ]
 

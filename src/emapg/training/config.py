@@ -223,7 +223,7 @@ def _unknown_key(name: str, values: dict, cls: type[Section], key: str) -> Emapg
             return EmapgError(
                 f"unknown config key {where!r}: a setting of {name}.{pick}={owners[0]}, not of {chosen}"
             )
-    return EmapgError(f"unknown config key {where!r}{suggest(key, cls.model_fields)}")
+    return EmapgError(f"unknown config key {where!r}{suggest(key, cls.model_fields, prefix=f'{name}.')}")
 
 
 def build(raw: dict) -> Config:
@@ -259,6 +259,12 @@ def resolve_config_path(name: str) -> Path:
     raise EmapgError(f"config file {name!r} not found (shipped configs: {', '.join(names)})")
 
 
+def _sections_of(key: str) -> str:
+    """A bare key (`output_dir=runs`) named with the sections that have it, as a hint."""
+    owners = [name for name in Config.model_fields if key in section_class(name, {}).model_fields]
+    return f" (did you mean {' or '.join(repr(f'{name}.{key}') for name in owners)}?)" if owners else ""
+
+
 def with_overrides(raw: dict, overrides: list[str]) -> dict:
     """`raw` (section -> values) with each `section.key=value` set (the value read as YAML)."""
     raw = {name: dict(values or {}) for name, values in raw.items()}
@@ -268,7 +274,9 @@ def with_overrides(raw: dict, overrides: list[str]) -> dict:
         if not eq:
             raise EmapgError(f"override {item!r}: expected key=value, e.g. kl.k=16")
         if not dot or not field:
-            raise EmapgError(f"override {item!r}: expected section.key=value, e.g. kl.k=16")
+            raise EmapgError(
+                f"override {item!r}: expected section.key=value{_sections_of(section)}, e.g. kl.k=16"
+            )
         try:
             value = yaml.safe_load(text) if text else ""
         except yaml.YAMLError:

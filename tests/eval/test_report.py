@@ -130,6 +130,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         f.write('{"step": 1, "rew')
     with pytest.raises(EmapgError, match=r"metrics.jsonl:2: not a JSON object"):
         load_run(run)
+    write_run(tmp_path, "other", [{"step": 0}])
+    assert main(["report", str(tmp_path)]) == 2  # the output folder given for its runs
+    assert capsys.readouterr().err.strip().endswith(f"a folder of 2 runs: give them as {tmp_path}/*")
 
 
 @pytest.mark.slow

@@ -59,6 +59,11 @@ def load_run(run_dir: str | Path) -> Run:
     clear error, not a silent gap."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
+        runs = len(list(Path(run_dir).glob("*/metrics.jsonl")))
+        if runs:  # the output folder, not one run in it
+            raise EmapgError(
+                f"{run_dir}: no metrics.jsonl; a folder of {runs} run{'s' * (runs > 1)}: give them as {run_dir}/*"
+            )
         raise EmapgError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
     name = Path(run_dir).resolve().name
     config = Path(run_dir) / "config.yaml"

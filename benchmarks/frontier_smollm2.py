@@ -148,6 +148,19 @@ def grid_time(out: Path, names: list[str]) -> str:
     return text + (f"; {untimed} stopped (diverged), not timed" if untimed else "")
 
 
+def load_summary(log: Path) -> str:
+    """The machine's load while the grid ran, in words, from the log its runs were started beside
+    (a line a minute: the time, then /proc/loadavg's 1-, 5- and 15-minute averages)."""
+    if not log.is_file():
+        return "no load log beside the runs"
+    loads = sorted(float(line.split()[1]) for line in log.read_text().splitlines() if line.strip())
+    low, *_, high = statistics.quantiles(loads, n=20, method="inclusive")
+    return (
+        f"the 1-minute load, logged each minute ({log.name}, {len(loads)} minutes): median"
+        f" {statistics.median(loads):.2f}, 5-95% {low:.2f}-{high:.2f}, at most {loads[-1]:.2f}"
+    )
+
+
 def grid(args: argparse.Namespace, base_lr: float, steps: int) -> str:
     if BINDING_BETA is None:
         raise SystemExit("BINDING_BETA is not fixed yet: run --pilot and write its answer in first")
@@ -176,7 +189,8 @@ def grid(args: argparse.Namespace, base_lr: float, steps: int) -> str:
     return (
         "## What the EMA anchor does to a real model (SmolLM2-135M-Instruct, sums)\n\n"
         f"Regenerate with `python benchmarks/frontier_smollm2.py` ({time.perf_counter() - t0:.0f} s of wall"
-        f" time for this invocation; finished runs are reused; {cost}). The pilot's table (`--pilot`) fixed"
+        f" time for this invocation; finished runs are reused; {cost}, one at a time;"
+        f" {load_summary(args.out / 'load.log')}). The pilot's table (`--pilot`) fixed"
         f" kl.beta {BINDING_BETA:g} as the beta where the KL binds. {SEEDS} seeds, {steps} steps a run,"
         " mean ± std over seeds. Columns as in the tiny model's grid above. Picture:"
         f" `benchmarks/{args.png.name}`.\n\n"

@@ -69,6 +69,16 @@ def test_grid_time_sums_the_runs_own_wall_times_and_says_what_it_leaves_out(tmp_
     )
 
 
+def test_load_summary_states_the_median_spread_and_peak_of_the_logged_load(tmp_path):
+    log = tmp_path / "load.log"
+    assert fs.load_summary(log) == "no load log beside the runs"
+    loads = [1.0 + i / 100 for i in range(101)]  # 1.00 ... 2.00: the 5% and 95% points are 1.05, 1.95
+    log.write_text("".join(f"2026-12-07T01:{i:02d}:02Z {x:.2f} 0.50 0.20\n" for i, x in enumerate(loads)))
+    assert fs.load_summary(log) == (
+        "the 1-minute load, logged each minute (load.log, 101 minutes): median 1.50, 5-95% 1.05-1.95, at most 2.00"
+    )
+
+
 @pytest.mark.parametrize("error", ["diverged", "disk"])
 def test_only_a_diverged_run_is_recorded_as_one(tmp_path, monkeypatch, error):
     def stops(name, base, overrides, out, **options):

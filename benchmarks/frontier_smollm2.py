@@ -189,7 +189,7 @@ def grid(args: argparse.Namespace, base_lr: float, steps: int) -> str:
     return (
         "## What the EMA anchor does to a real model (SmolLM2-135M-Instruct, sums)\n\n"
         f"Regenerate with `python benchmarks/frontier_smollm2.py` ({time.perf_counter() - t0:.0f} s of wall"
-        f" time for this invocation; finished runs are reused; {cost}, one at a time;"
+        f" time for this invocation; finished runs are reused; {cost};"
         f" {load_summary(args.out / 'load.log')}). The pilot's table (`--pilot`) fixed"
         f" kl.beta {BINDING_BETA:g} as the beta where the KL binds. {SEEDS} seeds, {steps} steps a run,"
         " mean ± std over seeds. Columns as in the tiny model's grid above. Picture:"

@@ -25,7 +25,11 @@ benchmarks/frontier_smollm2_runs/, a finished run is reused, a stopped one resum
 spans sessions. A finished run's folder (config, metrics, samples, wall time: its checkpoints
 are deleted) is committed, since a new checkout holds only what git does. Every run of the
 grid trains on commit 1c8434e (from a worktree there, `PYTHONPATH=src:benchmarks`): the hf
-engine's shared prefill, added after it, samples the same tokens only up to float rounding. Per run: the held-out accuracy curve (the policy's and the anchor's), drift KL to
+engine's shared prefill, added after it, samples the same tokens only up to float rounding.
+The load the block states is read from the runs folder's load.log, which a logger started beside
+the grid writes (that commit's script has none of its own), committed with the runs:
+    while true; do echo "$(date -u +%FT%TZ) $(cut -d' ' -f1-3 /proc/loadavg)" >> RUNS/load.log; sleep 60; done
+Per run: the held-out accuracy curve (the policy's and the anchor's), drift KL to
 the start, KL to the anchor, entropy, response length and the collapse flag; per cell mean ± std
 over seeds; ema minus frozen paired by seed; the EMA anchor's own accuracy minus its policy's.
 """

@@ -61,6 +61,8 @@ BAD = [
         "override 'output_dir=runs': expected section.key=value (did you mean 'train.output_dir'?)",
     ),
     (["seed=1"], "(did you mean 'task.seed' or 'train.seed'?)"),
+    (["train_files=x.jsonl"], "(did you mean 'task.train_files'?)"),
+    (["dtype=bfloat16"], "(did you mean 'model.dtype' or 'rollout.dtype' or 'anchor.dtype'?)"),
     (["algo.minibatches=3"], "algo.minibatches=3 must divide the 256 sequences"),
 ]
 

@@ -260,8 +260,17 @@ def resolve_config_path(name: str) -> Path:
 
 
 def _sections_of(key: str) -> str:
-    """A bare key (`output_dir=runs`) named with the sections that have it, as a hint."""
-    owners = [name for name in Config.model_fields if key in section_class(name, {}).model_fields]
+    """A bare key (`output_dir=runs`) named with the sections that have it, as a hint: a setting
+    of any task or engine counts (`train_files` belongs to task.name=math and dataset)."""
+
+    def classes(name: str) -> list[type[Section]]:
+        return (
+            [e.config for _, e in SELECTED[name][0].items()]
+            if name in SELECTED
+            else [section_class(name, {})]
+        )
+
+    owners = [name for name in Config.model_fields if any(key in c.model_fields for c in classes(name))]
     return f" (did you mean {' or '.join(repr(f'{name}.{key}') for name in owners)}?)" if owners else ""
 
 

@@ -178,6 +178,8 @@ def grid(args: argparse.Namespace, base_lr: float, steps: int) -> str:
     cost = grid_time(args.out, [r for members in names.values() for r in members])
     results = {name: [summarize(args.out, r) for r in runs] for name, runs in names.items()}
     runs = {name: [load_run(args.out / r) for r in members] for name, members in names.items()}
+    for run in runs[cell_name("none", "", 0, 1)]:  # logged a KL of 0.0 (see frontier.summarize): none to draw
+        run.series.pop("kl/value", None)
     plot([r for members in runs.values() for r in members], args.png, smooth=5).clf()
     name = {(a, b, f): cell_name(a, ESTIMATOR, b, f) for a, b, f in grid_cells(BINDING_BETA)}
     pairs = [

@@ -144,7 +144,7 @@ def step_seconds(path: str, steps: int, overrides: list[str], engine: str) -> fl
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(
             None,
-            [f"model.path={path}", "model.dtype=bfloat16", *overrides, f"rollout.engine={engine}",
+            [f"model.path={path}", "train.precision=bf16-mixed", *overrides, f"rollout.engine={engine}",
              f"train.output_dir={out}", f"train.steps={steps}", f"train.eval_every={steps}",
              f"train.save_every={steps}", "train.tensorboard=false", "train.progress=false"],
         )  # fmt: skip

@@ -2,9 +2,11 @@
 model, in how long, in how much memory.
 
     python benchmarks/smollm2_math.py [--engines hf vllm] [--seeds 0 1 2] [key=value ...]
+    python benchmarks/smollm2_math.py train.precision=fp32     # the config's bf16-mixed against fp32
     python benchmarks/smollm2_math.py --report      # the table of the runs already made
 
-Each run is the config as a user runs it (its own process, `train.seed=S`, `rollout.engine=E`),
+Each run is the config as a user runs it (its own process, `train.seed=S`, `rollout.engine=E`; runs
+are named by engine, train.precision and seed),
 after one zero-step run that converts the GGUF and builds the warm start of every seed (cached,
 so outside the timed runs; the warm start's seconds are printed apart). A finished run (its
 `benchmark.json`) is reused, not run again: the script can be stopped and run again (a run made
@@ -111,10 +113,11 @@ def main() -> None:
                 f"seed {seed}: GGUF conversion and warm start ready in {seconds:.0f} s (cached)", flush=True
             )
         print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)
+    precision = load_config(CONFIG, args.overrides).train.precision  # the config's, or as overridden
     for engine in args.engines:
         got = []
         for seed in args.seeds:
-            name = f"{engine}-seed{seed}"
+            name = f"{engine}-{precision}-seed{seed}"
             record = OUT / name / "benchmark.json"
             run_args = [f"train.seed={seed}", f"rollout.engine={engine}", *(VLLM if engine == "vllm" else []),
                         *args.overrides]  # fmt: skip
@@ -133,7 +136,7 @@ def main() -> None:
             f = figures(name, saved["wall_s"], saved["peak_rss_mib"], problems=200)
             got.append(f)
             curve = " ".join(f"{s}:{a:.3f}" for s, a in f["curve"])
-            print(f"{engine} seed {seed}: {f['start']:.3f} -> {f['end']:.3f} ({f['gain']:+.3f} ± {f['se']:.3f}, "
+            print(f"{engine} {precision} seed {seed}: {f['start']:.3f} -> {f['end']:.3f} ({f['gain']:+.3f} ± {f['se']:.3f}, "
                   f"{f['gain'] / f['se']:.1f} SE) in {f['wall_s'] / 60:.1f} min, peak RSS {f['peak_rss_mib']:.0f} MiB, "
                   f"{f['rollout_tokens_per_s']:.0f} tok/s sampled in rollout, {f['step_tokens_per_s']:.0f} per step; "
                   f"curve {curve}", flush=True)  # fmt: skip
@@ -141,7 +144,7 @@ def main() -> None:
             spread = {k: (statistics.mean(g[k] for g in got), statistics.stdev(g[k] for g in got))
                       for k in ("start", "end", "gain")}  # fmt: skip
             walls = [g["wall_s"] / 60 for g in got]
-            print(f"{engine}, {len(got)} seeds: "
+            print(f"{engine} {precision}, {len(got)} seeds: "
                   + ", ".join(f"{k} {m:.3f} ± {sd:.3f}" for k, (m, sd) in spread.items())
                   + f", wall {statistics.mean(walls):.1f} ± {statistics.stdev(walls):.1f} min")  # fmt: skip
     if not args.report:

@@ -140,6 +140,25 @@ def test_sharded_ema_anchor_equals_the_formula_on_gathered_weights(model_dir, tw
 
 
 @pytest.mark.slow
+def test_bf16_mixed_gathers_bfloat16_and_keeps_float32_shards(model_dir, tmp_path):
+    """FSDP2's MixedPrecisionPolicy: the passes run on bfloat16 copies of the weights (their
+    engine/trainer gap is bfloat16's, not float32's 1e-6), while the shards of the policy, its AdamW
+    moments and the EMA anchor stay float32, the anchor lerped exactly as the formula says."""
+    _torchrun(2, *_args(model_dir, tmp_path, f"train.steps={PERIOD}", "train.precision=bf16-mixed"))
+    records = _records(tmp_path)
+    assert records[1]["grad_norm"] > 0 and records[-1]["anchor/updates"] == 1
+    assert max(r["mismatch/max_abs_logp"] for r in records[1:]) > 1e-4
+    saved = _sharded(tmp_path, PERIOD, tmp_path)
+    moments = [t for state in saved["optimizer"]["state"].values() for t in state.values() if t.dim()]
+    assert moments and {t.dtype for part in ("policy", "anchor") for t in saved[part].values()} | {
+        t.dtype for t in moments
+    } == {torch.float32}
+    start, policy = load_file(str(model_dir / "model.safetensors")), _policy(tmp_path, PERIOD)
+    assert {t.dtype for t in policy.values()} == {torch.float32}
+    _close({k: ETA * v + (1 - ETA) * policy[k] for k, v in start.items()}, saved["anchor"], "anchor")
+
+
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_in_two_processes(model_dir, two, tmp_path):
     """The run stopped after step 2: its files as they were then (later checkpoints gone, the
     metrics file as long; --resume truncates it), resumed by 2 processes to step 4."""

@@ -117,26 +117,40 @@ def shard_rows(n: int) -> slice:
     return slice(rank() * per, (rank() + 1) * per)
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, compute_dtype: torch.dtype | None = None) -> nn.Module:
     """FSDP2 over the ranks: each decoder layer is a unit, the root holds the rest.
 
     The root (embeddings, final norm, LM head, tied or not) stays gathered after its forward,
     which is what lets the fused LM-head path read the head weight after `model(...)`.
     Gradients are summed, not averaged, over ranks: every loss is already its share of the
-    global total (token counts are reduced before the loss is formed).
+    global total (token counts are reduced before the loss is formed). With a `compute_dtype`
+    narrower than the parameters (bf16-mixed), FSDP2 gathers the parameters in it for the passes
+    and reduces the gradients in float32 into the float32 shards (`MixedPrecisionPolicy`).
     """
     if world() == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    return shard_over(
+        model, init_device_mesh(next(model.parameters()).device.type, (world(),)), compute_dtype
+    )
+
+
+def shard_over(model: nn.Module, mesh, compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """`shard`'s FSDP2 units over a given device mesh (one rank's too: scripts/gpu-check.sh)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise EmapgError(f"multi-process training shards base_model.layers; {type(model).__name__} has none")
-    mesh = init_device_mesh(next(model.parameters()).device.type, (world(),))
+    first = next(model.parameters())
+    mixed = compute_dtype is not None and compute_dtype != first.dtype
+    policy = (
+        MixedPrecisionPolicy(compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    )
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)

@@ -43,9 +43,13 @@ def test_bf16_engine_recomputed_pi_old_is_on_policy_the_engines_is_not(model_dir
     assert any(r["clip_frac/first_minibatch"] > 0 for r in engine[1:])  # clipped before moving
 
 
-def test_bfloat16_training_end_to_end_through_vllm(model_dir, tmp_path):  # noqa: F811
-    records = _train(model_dir, tmp_path, "model.dtype=bfloat16")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bfloat16_training_end_to_end_through_vllm(model_dir, tmp_path, precision):  # noqa: F811
+    """bf16-mixed beside vLLM's auto dtype: a bfloat16 engine (the usual GPU set-up); bf16-true
+    (insisted on) the same engine beside bfloat16 weights."""
+    records = _train(model_dir, tmp_path, f"train.precision={precision}", "train.allow_lost_updates=true")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for r in records[1:]:
         assert all(math.isfinite(r[k]) for k in ("loss/policy", "kl/value", "grad_norm", "mismatch/kl"))
+        assert r["mismatch/max_abs_logp"] > 0  # pi_old recomputed beside the engine's own numbers
     assert math.isfinite(records[-1]["eval/accuracy"])

@@ -81,13 +81,22 @@ def straight(tiny_model_dir, tmp_path_factory):
 
 
 BF16_ANCHOR = ("anchor.dtype=bfloat16",)  # a float32 policy beside a bfloat16 EMA anchor
+# float32 master weights, AdamW state and anchor, bfloat16 compute; k1 moves the weights (as LORA's)
+BF16_MIXED = ("train.precision=bf16-mixed", "kl.estimator=k1", "kl.beta=1.0", "optim.lr=0.01")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "point,extra",
-    [("step", ()), ("checkpoint", ()), ("step", LORA), ("step", BF16_ANCHOR)],
-    ids=["step", "checkpoint", "step-lora", "step-bf16-anchor"],
+    [
+        ("step", ()),
+        ("checkpoint", ()),
+        ("step", LORA),
+        ("step", BF16_ANCHOR),
+        ("step", BF16_MIXED),
+        ("checkpoint", BF16_MIXED),
+    ],
+    ids=["step", "checkpoint", "step-lora", "step-bf16-anchor", "step-bf16-mixed", "checkpoint-bf16-mixed"],
 )
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, straight, point, extra):
     env = {**os.environ, "PYTHONPATH": str(Path(emapg.__file__).parents[1])}
@@ -114,9 +123,17 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, 
         with safe_open(str(ckpts / "step_4" / "anchor.safetensors"), "pt") as f:
             names = f.keys()  # a safetensors file handle, not a dict
             assert {f.get_tensor(k).dtype for k in names} == {torch.bfloat16}
-    if extra == LORA:  # the merged policy moved from the base: the adapters trained
+    if extra in (LORA, BF16_MIXED):  # the policy moved from the base: it trained
         base = load_model_and_tokenizer(tiny_model_dir)[0].state_dict()
         assert any(not torch.equal(weights[k], base[k]) for k in weights)
+    if extra == BF16_MIXED:  # what a checkpoint holds is float32 throughout: master weights, moments, anchor
+        for file in ("anchor.safetensors", "policy/model.safetensors"):
+            with safe_open(str(ckpts / "step_4" / file), "pt") as f:
+                names = f.keys()  # a safetensors file handle, not a dict
+                assert {f.get_tensor(k).dtype for k in names} == {torch.float32}, file
+        saved = torch.load(ckpts / "step_4" / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+        moments = [t for state in saved.values() for t in state.values() if t.dim()]
+        assert moments and {t.dtype for t in moments} == {torch.float32}
 
 
 def _checkpoint_state(tmp_path):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -62,7 +63,10 @@ BAD = [
     ),
     (["seed=1"], "(did you mean 'task.seed' or 'train.seed'?)"),
     (["train_files=x.jsonl"], "(did you mean 'task.train_files'?)"),
-    (["dtype=bfloat16"], "(did you mean 'model.dtype' or 'rollout.dtype' or 'anchor.dtype'?)"),
+    (["dtype=bfloat16"], "(did you mean 'rollout.dtype' or 'anchor.dtype'?)"),
+    (["model.dtype=bfloat16"], "config key 'model.dtype' moved: the training dtype is train.precision now"),
+    (["train.precision=bf16"], "train.precision: unknown 'bf16'"),
+    (["train.precision=fp16-mixed"], "train.precision: unknown 'fp16-mixed'"),
     (["algo.minibatches=3"], "algo.minibatches=3 must divide the 256 sequences"),
 ]
 
@@ -179,11 +183,35 @@ def test_integer_override_is_parsed_exactly(k):
         (["rollout.engine=vllm"], True),
         (["rollout.engine=vllm", "algo.old_logp=engine"], False),
         (["algo.old_logp=recompute"], True),
-        (["model.dtype=bfloat16"], False),
+        # bfloat16 rounds the KV cache's decode and the update's pass over whole rows differently
+        (["train.precision=bf16-mixed"], True),
+        (["train.precision=bf16-true"], True),
     ],
 )
 def test_when_pi_old_is_recomputed(overrides, recompute):
     assert load_config(None, overrides).recomputes_old_logp is recompute
+
+
+@pytest.mark.parametrize(
+    "precision, params, compute, engine, anchor",
+    [
+        ("fp32", "float32", torch.float32, "float32", "float32"),
+        # float32 master weights and anchor (a bfloat16 EMA loses its updates), a bfloat16 engine
+        ("bf16-mixed", "float32", torch.bfloat16, "bfloat16", "float32"),
+        ("bf16-true", "bfloat16", torch.bfloat16, "bfloat16", "bfloat16"),
+    ],
+)
+def test_precision_sets_every_dtype_it_implies(precision, params, compute, engine, anchor):
+    cfg = load_config(None, [f"train.precision={precision}", "rollout.engine=vllm"])
+    assert (cfg.param_dtype, cfg.compute_dtype, cfg.engine_dtype, cfg.anchor_dtype) == (
+        params,
+        compute,
+        engine,
+        anchor,
+    )
+    own = load_config(None, [f"train.precision={precision}", "rollout.engine=vllm", "rollout.dtype=float32",
+                             "anchor.dtype=bfloat16"])  # fmt: skip
+    assert (own.engine_dtype, own.anchor_dtype) == ("float32", "bfloat16")
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from emapg import cli
-from emapg.training.config import load_config
-from emapg.training.run_folder import resume_changes
+from emapg.errors import EmapgError
+from emapg.training.config import build, load_config
+from emapg.training.run_folder import resume_changes, saved_config
 
 RUN = ["task.num_train=16", "task.num_eval=4", "eval.samples=1", "rollout.prompts_per_step=2",
        "rollout.group_size=2", "rollout.max_new_tokens=4", "algo.micro_batch_size=4", "train.progress=false",
@@ -95,6 +96,24 @@ def test_resume_changes_ignores_settings_added_since_and_reads_tuples_as_lists()
     assert resume_changes({"eval": {"datasets": []}}, {"eval": {"datasets": ("a",)}}) == [
         "eval.datasets: [] -> ['a']"
     ]
+
+
+@pytest.mark.parametrize("dtype, precision", [("float32", "fp32"), ("bfloat16", "bf16-true")])
+def test_a_run_saved_with_model_dtype_reads_as_its_precision(tmp_path, dtype, precision):
+    """Before train.precision, model.dtype set weights and compute alike: a saved run is read in
+    today's keys, so it resumes (and is evaluated) in the precision it ran in."""
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"dtype": dtype}, "train": {"steps": 2}}))
+    saved = saved_config(tmp_path)
+    assert saved == {"model": {}, "train": {"steps": 2, "precision": precision}}
+    assert build(saved).train.precision == precision
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"dtype": "float16"}}))
+    with pytest.raises(EmapgError, match="model.dtype=float16 has no train.precision"):
+        saved_config(tmp_path)
+
+
+def test_resume_refuses_another_precision(tmp_path):
+    with pytest.raises(EmapgError, match="train.precision: 'fp32' -> 'bf16-mixed'"):
+        resume_changes({"train": {"precision": "fp32"}}, {"train": {"precision": "bf16-mixed"}})
 
 
 def test_a_run_is_named_after_its_config_file(tmp_path):

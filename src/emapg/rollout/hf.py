@@ -18,6 +18,7 @@ call seed comes from torch's global generator, so `torch.manual_seed` still gove
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -141,7 +142,10 @@ class _EndTracker(StoppingCriteria):
 
 def make(settings: RolloutSettings, model, tokenizer, model_dir: str, needs: EngineNeeds) -> HFEngine:
     """The engine `rollout.engine=hf` builds: generate with the live policy module itself."""
-    return HFEngine(model, tokenizer, batch_size=settings.batch_size, share_prompts=needs.share_prompts)
+    return HFEngine(
+        model, tokenizer, batch_size=settings.batch_size, share_prompts=needs.share_prompts,
+        dtype=getattr(torch, needs.dtype),
+    )  # fmt: skip
 
 
 class HFEngine:
@@ -149,7 +153,8 @@ class HFEngine:
 
     It samples with the live policy module itself, so `sync_weights` only points it at the
     model it is given and copies nothing. With `share_prompts`, consecutive rows with the same
-    prompt (a group) prefill it once (`_prompt_cache`).
+    prompt (a group) prefill it once (`_prompt_cache`). `dtype` is what it computes in: a model
+    whose parameters are wider (float32 weights of a bf16-mixed run) runs under autocast to it.
     """
 
     def __init__(
@@ -159,9 +164,10 @@ class HFEngine:
         *,
         batch_size: int = 256,
         share_prompts: bool = True,
+        dtype: torch.dtype | None = None,
     ):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        self.share_prompts = share_prompts
+        self.share_prompts, self.dtype = share_prompts, dtype
 
     def sync_weights(self, model: PreTrainedModel, version: Hashable) -> None:
         self.model = model
@@ -199,22 +205,30 @@ class HFEngine:
         model.eval()
         parts = []
         starts = range(0, prompt_ids.shape[0], self.batch_size)
-        # Under torchrun (FSDP) every rank must run as many generate calls as the busiest one.
-        for _ in range(distributed.max_one(len(starts)) - len(starts)):
-            model.generate(
-                input_ids=prompt_ids[:1],
-                attention_mask=prompt_mask[:1],
-                generation_config=config,
-                max_new_tokens=1,
-                synced_gpus=True,
-            )
-        for a in starts:
-            end = a + self.batch_size
-            parts.append(
-                self._generate(prompt_ids[a:end], prompt_mask[a:end], rows[a:end], params, seed, config)
-            )
+        with self._compute(device):
+            # Under torchrun (FSDP) every rank must run as many generate calls as the busiest one.
+            for _ in range(distributed.max_one(len(starts)) - len(starts)):
+                model.generate(
+                    input_ids=prompt_ids[:1],
+                    attention_mask=prompt_mask[:1],
+                    generation_config=config,
+                    max_new_tokens=1,
+                    synced_gpus=True,
+                )
+            for a in starts:
+                end = a + self.batch_size
+                parts.append(
+                    self._generate(prompt_ids[a:end], prompt_mask[a:end], rows[a:end], params, seed, config)
+                )
         model.train(was_training)
         return _assemble(parts, prompt_ids, prompt_mask, tokenizer)
+
+    def _compute(self, device: torch.device):
+        """Autocast to the engine's dtype where the model's parameters are wider, else nothing."""
+        params = next(self.model.parameters()).dtype
+        if self.dtype is None or self.dtype.itemsize >= params.itemsize:  # (a bfloat16 anchor runs as it is)
+            return nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
 
     def _generate(
         self, ids: Tensor, mask: Tensor, rows: Tensor, params: SamplingParams, seed, config

@@ -207,7 +207,8 @@ class VllmSettings(RolloutSettings):
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
         "auto",
-        "the engine's dtype; auto: model.dtype. bfloat16 beside a float32 policy is the usual GPU set-up",
+        "the engine's dtype; auto: the policy's compute dtype (train.precision: bfloat16 under bf16-mixed, "
+        "the usual GPU set-up)",
     )
     vllm_gpu_memory_utilization: Float = setting(
         0.3, "share of GPU memory vLLM may take; on CPU the share of RAM for its KV cache", gt=0, lt=1

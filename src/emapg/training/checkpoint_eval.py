@@ -20,8 +20,8 @@ from emapg.model.models import load_model_and_tokenizer
 from emapg.rollout import eos_ids, make_engine
 from emapg.tasks import make_task
 from emapg.tasks.rewards import RewardScorer
-from emapg.training import checkpoint
-from emapg.training.config import load_config
+from emapg.training import checkpoint, run_folder
+from emapg.training.config import build
 from emapg.training.evaluation import eval_params
 from emapg.training.run import device_of
 
@@ -62,13 +62,13 @@ def evaluate_checkpoint(run_dir: str | Path, step: int | None = None, *, anchor:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise EmapgError(f"{run_dir}: no config.yaml (is this a run directory?)")
-    cfg = load_config(str(run_dir / "config.yaml"))
+    cfg = build(run_folder.saved_config(run_dir))
     path = find_checkpoint(run_dir, step)
     weights = anchor_file(path) if anchor else None
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)  # as the run had: a reduction's order is the threads'
     task = make_task(cfg.task, cfg.warmstart.cache_dir)
-    model, tokenizer = load_model_and_tokenizer(path / "policy", dtype=getattr(torch, cfg.model.dtype))
+    model, tokenizer = load_model_and_tokenizer(path / "policy", dtype=getattr(torch, cfg.param_dtype))
     if weights is not None:
         load_model(model, str(weights))
     model.to(device_of(cfg)).eval()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
+import torch
 import yaml
 from pydantic import Field, SerializeAsAny, ValidationError, model_validator
 
@@ -24,6 +25,7 @@ from emapg.eval.evaluate import EvalSettings
 from emapg.model.anchor import AnchorSettings
 from emapg.model.lora import LoraSettings
 from emapg.model.models import ModelSettings
+from emapg.model.precision import Precision, compute_dtype, param_dtype
 from emapg.rollout import ENGINES, EngineNeeds, RolloutSettings
 from emapg.settings import Registry, Section, check, one_line, setting, suggest, validated
 from emapg.tasks import TASKS, TaskSettings
@@ -34,6 +36,10 @@ from emapg.training.sft import WarmStartSettings
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MOVED = {"retriever": "the retriever settings moved under task (e.g. task.topk, with task.name=search)"}
+MOVED_KEYS = {
+    "model.dtype": "the training dtype is train.precision now: fp32, bf16-mixed (float32 weights, "
+    "bfloat16 compute) or bf16-true (model.dtype=bfloat16 was bf16-true)"
+}
 
 
 class TrainSettings(Section):
@@ -55,6 +61,14 @@ class TrainSettings(Section):
     )
     threads: int = setting(0, "torch CPU threads; 0 leaves torch's default", ge=0)
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda when available, else cpu")
+    precision: Precision = setting(
+        "fp32",
+        "fp32; bf16-mixed: float32 weights, gradients and AdamW state, bfloat16 compute (GPU trainers' "
+        "way); bf16-true: all bfloat16 (small lr updates round away: refused, see allow_lost_updates)",
+    )
+    allow_lost_updates: bool = setting(
+        False, "run bf16-true even where its bfloat16 weights would round most of a step's updates away"
+    )
     gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (less memory)")
     tensorboard: bool = setting(True, "write TensorBoard events when tensorboard is installed")
     wandb: bool = setting(False, "log to Weights & Biases (needs wandb)")
@@ -125,9 +139,9 @@ class Config(Section):
             for ok, what in ((not a.dynamic_sampling, "algo.dynamic_sampling"), (not self.lora.r, "lora.r")):
                 check(ok, f"{what} is not supported with rollout.mode=async yet; use rollout.mode=sync")
         check(
-            not self.lora.r or self.anchor_dtype == self.model.dtype,
+            not self.lora.r or self.anchor_dtype == self.param_dtype,
             f"anchor.dtype={self.anchor.dtype}: with LoRA the anchor is an adapter of the policy's own "
-            f"model, in model.dtype={self.model.dtype}",
+            f"model, whose parameters are {self.param_dtype} (train.precision={self.train.precision})",
         )
         return self
 
@@ -142,14 +156,28 @@ class Config(Section):
         )
 
     @property
+    def param_dtype(self) -> str:
+        """The policy's parameter dtype (and its gradients' and AdamW's): train.precision's."""
+        return str(param_dtype(self.train.precision)).removeprefix("torch.")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the passes compute in (train.precision's): bfloat16 under bf16-mixed."""
+        return compute_dtype(self.train.precision)
+
+    @property
     def engine_dtype(self) -> str:
-        """The rollout engine's dtype: its own `rollout.dtype` where it has one, else the policy's."""
+        """The rollout engine's dtype: its own `rollout.dtype` where it has one, else the dtype the
+        policy computes in (bfloat16 under bf16-mixed: a bfloat16 engine beside float32 weights)."""
         dtype = getattr(self.rollout, "dtype", "auto")
-        return self.model.dtype if dtype == "auto" else dtype
+        return str(self.compute_dtype).removeprefix("torch.") if dtype == "auto" else dtype
 
     @property
     def anchor_dtype(self) -> str:
-        return self.model.dtype if self.anchor.dtype == "auto" else self.anchor.dtype
+        """The anchor's parameter dtype: its own `anchor.dtype`, else the policy's parameters' (float32
+        under bf16-mixed, where a bfloat16 EMA would lose its small updates; its forward computes in
+        bfloat16 like the policy's)."""
+        return self.param_dtype if self.anchor.dtype == "auto" else self.anchor.dtype
 
     @property
     def evaluates_anchor(self) -> bool:
@@ -163,8 +191,8 @@ class Config(Section):
     def recomputes_old_logp(self) -> bool:
         """Whether pi_old comes from a no-grad pass of the trainer's policy rather than the engine.
 
-        auto skips the pass only where the engine is the policy itself: the hf engine samples with
-        the live module in model.dtype, so at top_p = 1 its recorded log-probs are pi_old already
+        auto skips the pass only where the engine is the policy itself: the hf engine of an fp32
+        run samples with the live module, so at top_p = 1 its recorded log-probs are pi_old already
         (the same weights and kernels, up to the KV cache's rounding) and a pass would change
         nothing. vLLM has kernels (and on a GPU a dtype) of its own, and top_p < 1 samples from a
         truncated distribution: there the engine's log-probs are mu, not pi_old. An async worker
@@ -175,12 +203,11 @@ class Config(Section):
 
     @property
     def engine_is_policy(self) -> bool:
-        """Whether the engine's log-probs are the policy's own: the hf engine, in model.dtype, at
-        top_p = 1, sampling synchronously (see recomputes_old_logp)."""
+        """Whether the engine's log-probs are the policy's own: the hf engine of an fp32 run, at
+        top_p = 1, sampling synchronously (see recomputes_old_logp). Not in bfloat16: there the KV
+        cache's decode and the update's pass over whole rows round differently enough to matter."""
         r = self.rollout
-        return (
-            r.engine == "hf" and self.engine_dtype == self.model.dtype and r.top_p == 1 and r.mode == "sync"
-        )
+        return r.engine == "hf" and self.train.precision == "fp32" and r.top_p == 1 and r.mode == "sync"
 
     def check_world(self, world: int) -> None:
         """What multi-process training (torchrun, `world` processes) supports; one line each."""
@@ -215,6 +242,8 @@ def section_class(name: str, values: dict) -> type[Section]:
 def _unknown_key(name: str, values: dict, cls: type[Section], key: str) -> EmapgError:
     """A key `cls` lacks: named with the closest valid key, or with the choice it belongs to."""
     where = f"{name}.{key}"
+    if where in MOVED_KEYS:
+        return EmapgError(f"config key {where!r} moved: {MOVED_KEYS[where]}")
     if name in SELECTED:
         registry, pick = SELECTED[name]
         owners = [n for n, e in registry.items() if key in e.config.model_fields]

@@ -24,7 +24,7 @@ from emapg.training import dynamic_sampling
 from emapg.training.config import Config
 from emapg.training.dynamic_sampling import Round, uniform_groups
 from emapg.training.evaluation import evaluate, reward_part_metrics, rollout_params, task_metrics
-from emapg.training.metrics import PhaseTimer
+from emapg.training.metrics import PhaseTimer, device_memory
 from emapg.training.run import Requested, Run, device_of
 from emapg.training.setup import setup
 from emapg.training.update import anchor_pass, old_policy, update
@@ -225,6 +225,7 @@ def training_step(run: Run, step: int, params: SamplingParams) -> dict:
         "lr": run.scheduler.get_last_lr()[0],
         **{f"time/{k}_s": v for k, v in timer.seconds.items()},
         "time/step_s": sum(timer.seconds.values()),
+        **device_memory(batch.sequences.device),
     }
 
 

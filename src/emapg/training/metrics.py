@@ -10,6 +10,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from emapg.errors import EmapgError
 
 
@@ -94,6 +96,16 @@ class MetricsLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def device_memory(device: torch.device) -> dict:
+    """memory/peak_gib on a GPU: the most memory tensors held since the last reading (a step's
+    peak, read at its end), as torch's allocator counts it; nothing on a CPU."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"memory/peak_gib": peak}
 
 
 class PhaseTimer:

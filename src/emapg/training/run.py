@@ -161,7 +161,7 @@ def make_anchor(cfg: Config, model: nn.Module) -> Anchor | AdapterAnchor | None:
     if cfg.lora.r:
         return AdapterAnchor(model, eta, cfg.anchor.update_period)
     anchor = Anchor(model, eta, cfg.anchor.update_period, dtype=getattr(torch, cfg.anchor_dtype))
-    distributed.shard(anchor.model)
+    distributed.shard(anchor.model, cfg.compute_dtype)
     return anchor
 
 
@@ -174,7 +174,7 @@ def initial_weights(cfg: Config, model: nn.Module, anchor) -> Anchor | AdapterAn
     if cfg.lora.r:
         return AdapterAnchor(model, 1.0, 1)
     initial = Anchor(model, 1.0, 1)
-    distributed.shard(initial.model)
+    distributed.shard(initial.model, cfg.compute_dtype)
     return initial
 
 

@@ -29,6 +29,7 @@ FIXED_ON_RESUME = (
     "warmstart",
     "anchor.kind",
     "anchor.dtype",
+    "train.precision",
     "rollout.group_size",
     "train.seed",
 )  # not train.output_dir or train.name: a run folder may be moved or renamed, and resumed there
@@ -46,14 +47,26 @@ def claim(run_dir: Path) -> None:
         )
 
 
+# A run saved before train.precision had model.dtype, which set parameters and compute alike.
+_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16-true"}
+
+
 def saved_config(run_dir: Path) -> dict:
-    """The config a run saved when it started (section -> {key: value})."""
+    """The config a run saved when it started (section -> {key: value}), in today's keys."""
     file = run_dir / CONFIG
     if not file.is_file():
         raise EmapgError(
             f"--resume: {file} not found: is {run_dir} a run folder (train.output_dir, train.name)?"
         )
-    return yaml.safe_load(file.read_text()) or {}
+    saved = yaml.safe_load(file.read_text()) or {}
+    dtype = (saved.get("model") or {}).pop("dtype", None)
+    if dtype is not None:
+        if dtype not in _PRECISION_OF_DTYPE:
+            raise EmapgError(
+                f"{file}: model.dtype={dtype} has no train.precision; emapg trains in fp32 or bfloat16"
+            )
+        saved.setdefault("train", {}).setdefault("precision", _PRECISION_OF_DTYPE[dtype])
+    return saved
 
 
 def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]]:

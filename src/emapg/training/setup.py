@@ -16,7 +16,7 @@ from transformers.utils import logging as hf_logging
 from emapg import distributed
 from emapg.errors import EmapgError
 from emapg.eval.math import ValidationSets
-from emapg.model import lora
+from emapg.model import lora, precision
 from emapg.model.models import checkpoint_activations, load_model_and_tokenizer, model_folder
 from emapg.prompts import encode_prompts
 from emapg.rollout import eos_ids, make_engine
@@ -44,7 +44,7 @@ def load_policy(cfg: Config, task: Task, progress: bool):
     """The policy model and tokenizer, and the directory they load from: a GGUF file's cached
     Hugging Face folder, and the cached warm start (builtin:tiny, or warmstart.pretrained),
     each built first when missing."""
-    dtype = getattr(torch, cfg.model.dtype)
+    dtype = getattr(torch, cfg.param_dtype)
     path, builtin = cfg.model.path, cfg.model.path == "builtin:tiny"
     with distributed.main_first():  # rank 0 converts and warm-starts (cached), the others load
         path = model_folder(path, cfg.model.cache_dir, progress=progress and distributed.is_main())
@@ -146,7 +146,7 @@ def worker_spec(cfg: Config) -> WorkerSpec:
     """What an async run's rollout workers build from: the run's sections, nothing above them."""
     return WorkerSpec(
         rollout=cfg.rollout, needs=cfg.engine_needs, task=cfg.task, cache_dir=cfg.warmstart.cache_dir,
-        dtype=cfg.model.dtype, chat_template=cfg.model.chat_template, device=cfg.train.device,
+        dtype=cfg.param_dtype, chat_template=cfg.model.chat_template, device=cfg.train.device,
         pin_kernels=cfg.model.path == "builtin:tiny",
     )  # fmt: skip
 
@@ -160,7 +160,7 @@ def make_run(cfg: Config, parts: TaskParts, model, tokenizer, engine, device) ->
         checkpoint_activations(model)
     anchor = make_anchor(cfg, model)
     initial = initial_weights(cfg, model, anchor) if cfg.eval.kl else None
-    distributed.shard(model)
+    distributed.shard(model, cfg.compute_dtype)
     optimizer, scheduler = make_optimizer(
         [p for p in model.parameters() if p.requires_grad],  # with LoRA: the policy adapter alone
         cfg.optim,
@@ -181,13 +181,24 @@ def warn_engine_pi_old(cfg: Config) -> None:
     """algo.old_logp=engine where the engine is not the policy is allowed, and measured harmful."""
     if cfg.algo.old_logp == "engine" and not cfg.engine_is_policy:
         log.warning(
-            "algo.old_logp=engine with rollout.engine=%s in %s beside a %s policy: the PPO ratio's "
+            "algo.old_logp=engine with rollout.engine=%s in %s beside a train.precision=%s policy: the PPO ratio's "
             "pi_old is the engine's, and its clip acts on the engine/trainer gap (SmolLM2 through a "
             "bfloat16 vLLM: 4%% of on-policy tokens clipped, 0.24 less accuracy gained; "
             "benchmarks/RESULTS.md); algo.old_logp=auto recomputes it",
             cfg.rollout.engine,
             cfg.engine_dtype,
-            cfg.model.dtype,
+            cfg.train.precision,
+        )
+
+
+def warn_emulated_bf16(cfg: Config, device: torch.device) -> None:
+    """bfloat16 compute on a CPU without AVX512-BF16 or AMX is emulated: slower than fp32 there."""
+    if cfg.train.precision != "fp32" and precision.native_bf16(device) is False and distributed.is_main():
+        log.warning(
+            "train.precision=%s on a %s without native bfloat16 (no AVX512-BF16 or AMX): bfloat16 is "
+            "emulated here, slower than fp32 (the numerics are those of a GPU's bfloat16)",
+            cfg.train.precision,
+            "CPU" if device.type == "cpu" else device.type,
         )
 
 
@@ -196,6 +207,7 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     checkpoint when resuming. Every check that can fail runs before any training."""
     cfg.check_world(distributed.world())
     warn_engine_pi_old(cfg)
+    warn_emulated_bf16(cfg, device)
     hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would bury ours
     last = last_checkpoint(cfg, resume)
     if cfg.lora.r:
@@ -205,6 +217,9 @@ def setup(cfg: Config, resume: bool, device: torch.device) -> Run:
     parts = task_parts(cfg)
     model, tokenizer, model_dir = load_policy(cfg, parts.task, cfg.train.progress and distributed.is_main())
     check_context(cfg, model, tokenizer, parts.train_examples + parts.eval_examples, parts.task)
+    # With LoRA the base's weights stand for the adapters', which grow to their scale.
+    lr = cfg.lora.lr if cfg.lora.r else cfg.optim.lr
+    precision.check_lost_updates(cfg.train.precision, model, lr, cfg.train.allow_lost_updates)
     if parts.validation is not None:
         check_context(cfg, model, tokenizer, [e for v in parts.validation.examples.values() for e in v])
     if cfg.rollout.mode == "async":  # workers start here, and load while the trainer sets up

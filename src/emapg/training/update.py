@@ -30,6 +30,7 @@ from emapg.batch import Rollout
 from emapg.model.anchor import Anchor
 from emapg.model.lm_head import response_summary
 from emapg.model.lora import AdapterAnchor
+from emapg.model.precision import autocast, outside_autocast
 from emapg.training.config import Config
 from emapg.training.metrics import PhaseTimer
 from emapg.training.run import Run
@@ -74,13 +75,14 @@ def response_logp(
     n, width = batch.response_mask.shape
     logp = torch.zeros(n, width, device=batch.sequences.device)
     topk_ids = torch.zeros(n, width, k, dtype=torch.long, device=batch.sequences.device)
-    for rows, part, w in each_micro_batch(cfg, batch):
-        s = response_summary(
-            model, part, part.responses.unsqueeze(-1), temperature=temperature, topk_self=k,
-            share_prompts=cfg.algo.share_prompts,
-        )  # fmt: skip
-        if rows is not None:
-            logp[rows, :w], topk_ids[rows, :w] = s.logp()[..., 0], s.topk_ids
+    with autocast(cfg.train.precision, batch.sequences.device):
+        for rows, part, w in each_micro_batch(cfg, batch):
+            s = response_summary(
+                model, part, part.responses.unsqueeze(-1), temperature=temperature, topk_self=k,
+                share_prompts=cfg.algo.share_prompts,
+            )  # fmt: skip
+            if rows is not None:
+                logp[rows, :w], topk_ids[rows, :w] = s.logp()[..., 0], s.topk_ids
     return logp, topk_ids
 
 
@@ -180,7 +182,8 @@ def anchor_pass(
         torch.zeros(n, width, device=device),
         torch.zeros(n, width, k, device=device),
     )
-    with anchor.active() as ref_model:  # LoRA: the anchor adapter (or none) is active meanwhile
+    with anchor.active() as ref_model, autocast(cfg.train.precision, device):
+        # LoRA: the anchor adapter (or none) is active meanwhile
         for rows, part, w in each_micro_batch(cfg, batch):
             idx = rows_run(rows)
             if head_ids is None:  # forward top-k: q is the anchor's own top-k
@@ -329,20 +332,25 @@ def _backward(
         length=cfg.rollout.max_new_tokens,
     )
     minibatch_loss = 0.0  # a float64 tensor on the loss's device once added to
-    for rows in micro_batches(cfg, batch, rows_mb):
-        weight = 0.0 if rows is None else 1.0  # a padding pass: the collectives, no gradient
-        rows = rows_run(rows)
-        part = batch.select(rows).trimmed()
-        w = part.response_mask.shape[1]
-        part_ref = None if ref is None else ref.select(rows, w)
-        pg, kl_tok, clipped, log_ratio = token_losses(
-            cfg, model, part, advantages[rows], old.select(rows, w), part_ref
-        )
-        loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
-        loss = weight * aggregate(loss_tok, loss_mask[rows, :w], cfg.algo.loss_aggregation, total)
-        loss.backward()
-        minibatch_loss = minibatch_loss + loss.detach().double()
-        stats.add(loss_mask[rows, :w] & (weight > 0), pg, kl_tok, clipped, log_ratio, first)
+    device = batch.sequences.device
+    # bf16-mixed: the forwards under autocast, each weight cast once for the whole minibatch (its
+    # cache lives as long as the outer region), the backwards outside it.
+    with autocast(cfg.train.precision, device):
+        for rows in micro_batches(cfg, batch, rows_mb):
+            weight = 0.0 if rows is None else 1.0  # a padding pass: the collectives, no gradient
+            rows = rows_run(rows)
+            part = batch.select(rows).trimmed()
+            w = part.response_mask.shape[1]
+            part_ref = None if ref is None else ref.select(rows, w)
+            pg, kl_tok, clipped, log_ratio = token_losses(
+                cfg, model, part, advantages[rows], old.select(rows, w), part_ref
+            )
+            loss_tok = pg if kl_tok is None else pg + cfg.kl.beta * kl_tok
+            loss = weight * aggregate(loss_tok, loss_mask[rows, :w], cfg.algo.loss_aggregation, total)
+            with outside_autocast(device):
+                loss.backward()
+            minibatch_loss = minibatch_loss + loss.detach().double()
+            stats.add(loss_mask[rows, :w] & (weight > 0), pg, kl_tok, clipped, log_ratio, first)
     return distributed.sum_one(float(minibatch_loss))
 
 

@@ -46,7 +46,7 @@ class WorkerSpec:
     needs: EngineNeeds
     task: TaskSettings
     cache_dir: str  # the task's cache folder (warmstart.cache_dir)
-    dtype: str  # the model's (model.dtype)
+    dtype: str  # the model's parameters' (train.precision's; its compute dtype is needs.dtype)
     chat_template: bool  # prompts through the tokenizer's chat template (model.chat_template)
     device: str  # train.device ("auto": cuda where there is one)
     pin_kernels: bool  # the built-in model: pin CPU kernels as the trainer does

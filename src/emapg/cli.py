@@ -148,8 +148,8 @@ def _eval_run(args) -> None:
 def _export(args) -> None:
     from emapg.training.export import export
 
-    path = export(args.run, args.out, args.step, anchor=args.anchor)
-    print(f"exported the {'anchor' if args.anchor else 'policy'} of {path} to {args.out}")
+    path, dtype = export(args.run, args.out, args.step, anchor=args.anchor, dtype=args.dtype)
+    print(f"exported the {'anchor' if args.anchor else 'policy'} of {path} to {args.out} in {str(dtype)[6:]}")
 
 
 def _report(args) -> None:
@@ -399,6 +399,11 @@ def _add_export_parser(sub) -> None:
     exp.add_argument("--step", type=int, help="the checkpoint's step (default: the last)")
     exp.add_argument("--anchor", action="store_true", help="the anchor's weights, not the policy's")
     exp.add_argument("--out", required=True, help="the folder to write (new, or empty)")
+    exp.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+        help="the weights' dtype; auto (the default): the model's own, as model.path holds it (a bf16-mixed "
+        "run's checkpoint holds float32 master weights)",
+    )  # fmt: skip
     exp.set_defaults(func=_export)
 
 

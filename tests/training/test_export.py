@@ -87,20 +87,42 @@ def test_exported_policy_and_anchor_load_as_the_checkpoint(run, model_dir, tmp_p
 
 
 @pytest.mark.slow
-def test_command_exports_the_last_anchor_in_its_dtype(model_dir, tmp_path, capsys):
-    # An anchor kept in bfloat16 beside the float32 policy is exported in bfloat16.
+def test_command_exports_in_the_models_own_dtype_or_the_one_asked_for(model_dir, tmp_path, capsys):
+    # An anchor kept in bfloat16 beside the float32 policy: exported in the model's own float32 (the
+    # bfloat16 values widened exactly), or with --dtype bfloat16 as they are.
     run16 = train(model_dir, tmp_path, "anchor.dtype=bfloat16", "optim.lr=0.01", "train.save_every=2")
-    out = tmp_path / "exported"
-    out.mkdir()  # an empty folder is taken
-    assert cli.main(["export", str(run16), "--anchor", "--out", str(out)]) == 0
-    assert f"exported the anchor of {run16 / 'checkpoints' / 'step_2'} to {out}" in capsys.readouterr().out
-    got = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
-    assert got.dtype == torch.bfloat16
     saved = load_model_and_tokenizer(run16 / "checkpoints" / "step_2" / "policy", dtype=torch.bfloat16)[0]
     load_model(saved, str(run16 / "checkpoints" / "step_2" / "anchor.safetensors"))
-    for a, b in zip(got.parameters(), saved.parameters(), strict=True):
-        assert torch.equal(a, b)
+    for flags, dtype in (([], torch.float32), (["--dtype", "bfloat16"], torch.bfloat16)):
+        out = tmp_path / f"exported-{dtype}"
+        out.mkdir()  # an empty folder is taken
+        assert cli.main(["export", str(run16), "--anchor", "--out", str(out), *flags]) == 0
+        said = capsys.readouterr().out
+        assert (
+            f"exported the anchor of {run16 / 'checkpoints' / 'step_2'} to {out} in {str(dtype)[6:]}" in said
+        )
+        got = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+        assert got.dtype == dtype
+        for a, b in zip(got.parameters(), saved.parameters(), strict=True):
+            assert torch.equal(a, b.to(dtype))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_the_models_own_dtype_is_what_its_path_holds(tmp_path):
+    from emapg.training.export import own_dtype
+
+    tokenizer = build_tiny_tokenizer()
+    for dtype in (torch.bfloat16, torch.float32):
+        model_dir = tmp_path / str(dtype)
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1).to(dtype).save_pretrained(model_dir)
+        run_dir = tmp_path / f"run-{dtype}"
+        run_dir.mkdir()
+        (run_dir / "config.yaml").write_text(f"model:\n  path: {model_dir}\n")
+        assert own_dtype(run_dir, torch.float16) == dtype
+    (run_dir / "config.yaml").write_text(f"model:\n  path: {tmp_path / 'gone'}\n")
+    assert own_dtype(run_dir, torch.float16) == torch.float16  # the model is gone: the checkpoint's
+    (run_dir / "config.yaml").write_text("model:\n  path: builtin:tiny\n")
+    assert own_dtype(run_dir, torch.float16) == torch.float32
 
 
 @pytest.mark.slow

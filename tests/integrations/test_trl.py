@@ -159,11 +159,15 @@ class _Recorder(TrainerCallback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["topk", "k3"])
-def test_trains_on_cpu_and_anchor_follows_the_ema(tiny_model_dir, tmp_path, estimator):
+@pytest.mark.parametrize("estimator, bf16", [("topk", False), ("k3", False), ("topk", True)])
+def test_trains_on_cpu_and_anchor_follows_the_ema(tiny_model_dir, tmp_path, estimator, bf16):
+    """With TRL's bf16=True (autocast over the float32 model) too: the passes compute in bfloat16,
+    and the policy, its AdamW moments and the EMA anchor stay float32, so the EMA is exact."""
     eta, period, steps = 0.25, 2, 4
     trainer = _trainer(EMAPGTrainer, EMAPGConfig, tiny_model_dir, tmp_path, kl_estimator=estimator, kl_topk=4,
-                       anchor_ema_eta=eta, anchor_update_period=period, max_steps=steps, learning_rate=0.05)  # fmt: skip
+                       anchor_ema_eta=eta, anchor_update_period=period, max_steps=steps, learning_rate=0.05,
+                       bf16=bf16)  # fmt: skip
+    assert trainer.accelerator.mixed_precision == ("bf16" if bf16 else "no")
     start = [p.detach().clone() for p in trainer.ref_model.parameters()]
     recorder = _Recorder(trainer)
     trainer.add_callback(recorder)
@@ -181,6 +185,10 @@ def test_trains_on_cpu_and_anchor_follows_the_ema(tiny_model_dir, tmp_path, esti
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert any(not torch.equal(a, b) for a, b in zip(recorder.policy[-1], start, strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(expected, start, strict=True))
+    moments = [t for state in trainer.optimizer.state.values() for t in state.values() if t.dim()]
+    assert moments and {t.dtype for t in [*moments, *recorder.policy[-1], *recorder.anchor[-1]]} == {
+        torch.float32
+    }
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ Override points: `_generate_and_score_completions` (anchor statistics for the to
 estimators), `_get_per_token_logps_and_entropies` (to keep the policy log-probs of the loss
 pass), `_compute_loss` (TRL's loss with its KL switched off, plus ours), a callback for
 the EMA step, and `_save_checkpoint` / `_load_optimizer_and_scheduler` (the anchor's weights
-and update count in each checkpoint, restored on resume). Supported: text-only models, no PEFT (the anchor must be a separate model); the
+and update count in each checkpoint, restored on resume). TRL's `bf16=True` (accelerate's autocast
+over the weights as loaded) is honoured: loaded in float32, policy, AdamW state and the EMA anchor
+stay float32 while the passes compute in bfloat16. Supported: text-only models, no PEFT (the anchor must be a separate model); the
 top-k estimators need an LM head that `emapg.model.lm_head.head_of` reproduces exactly (plain,
 Cohere's scale, Granite's scaling, Gemma 2's soft-cap).
 """
@@ -245,9 +247,12 @@ class EMAPGTrainer(GRPOTrainer):
         return torch.cat(parts)
 
     def _head_summary(self, model, hidden: Tensor, ids: Tensor, topk: int = 0) -> Summary:
-        """Summary of the tempered LM-head distribution from `hidden`, in chunks of tokens (never [T, V])."""
+        """Summary of the tempered LM-head distribution from `hidden`, in chunks of tokens (never [T, V]).
+        Under TRL's bf16=True (accelerate's autocast) the head's operands are bfloat16 and its products
+        float32 (`lm_head.Head`), for the anchor's pass as for the loss's."""
         head = self._head(self.accelerator.unwrap_model(model))
-        return head.summarize(hidden, ids, topk=topk, temperature=self.temperature)
+        with self.accelerator.autocast():
+            return head.summarize(hidden, ids, topk=topk, temperature=self.temperature)
 
     @torch.no_grad()
     def _anchor_statistics(self, out: dict) -> dict:

